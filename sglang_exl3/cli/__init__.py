@@ -1,0 +1,1 @@
+"""Command line: `python -m sglang_exl3 {inspect,dequantize,write-fixture}`."""

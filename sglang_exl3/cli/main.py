@@ -1,0 +1,82 @@
+"""Entry point of `python -m sglang_exl3` (also installed as `sglang-exl3`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from sglang_exl3.tools.inspect_checkpoint import inspect_checkpoint
+
+    text, code = inspect_checkpoint(args.checkpoint, as_json=args.json, verbose=args.verbose)
+    print(text)
+    return code
+
+
+def _dequantize(args: argparse.Namespace) -> int:
+    from sglang_exl3.format import Exl3FormatError
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        summary = dequantize_checkpoint(args.checkpoint, args.out, dtype=args.dtype, device=device,
+                                        max_shard_bytes=int(args.max_shard_gib * 2**30),
+                                        progress=not args.quiet)
+    except (Exl3FormatError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {summary['exl3_modules']} EXL3 modules dequantized to {summary['dtype']}, "
+          f"{summary['plain_tensors']} tensors copied, {len(summary['shards'])} shard(s)")
+    return 0
+
+
+def _write_fixture(args: argparse.Namespace) -> int:
+    from sglang_exl3.synth.exl3_writer import LLAMA3_8B, ModelDims, write_exl3_checkpoint
+
+    dims = LLAMA3_8B if args.shape == "llama3-8b" else ModelDims()
+    write_exl3_checkpoint(args.out, args.arch, dims=dims, bits=args.bits, codebook=args.codebook,
+                          head_bits=args.head_bits, seed=args.seed, progress=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_exl3", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("inspect", help="summarise and validate an EXL3 checkpoint (exit 1 on any problem)")
+    i.add_argument("checkpoint")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--verbose", "-v", action="store_true", help="list every module even for large models")
+    i.set_defaults(func=_inspect)
+    d = sub.add_parser("dequantize", help="write a plain Hugging Face checkpoint with every EXL3 weight decoded")
+    d.add_argument("checkpoint")
+    d.add_argument("out", help="output folder (must not exist or be empty)")
+    d.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    d.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    d.add_argument("--max-shard-gib", type=float, default=4.0)
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    d.set_defaults(func=_dequantize)
+    w = sub.add_parser("write-fixture", help="write a random-trellis EXL3 checkpoint in exllamav3's layout")
+    w.add_argument("out")
+    w.add_argument("--arch", choices=["llama", "qwen3", "qwen3_moe", "mixtral"], default="llama")
+    w.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny")
+    w.add_argument("--bits", type=float, default=4)
+    w.add_argument("--head-bits", type=float, default=6)
+    w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(func=_write_fixture)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

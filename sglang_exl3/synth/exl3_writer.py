@@ -1,0 +1,239 @@
+"""Write EXL3 checkpoints in exllamav3's exact on-disk layout, with random trellis bits.
+
+Random trellis words are valid EXL3 (the decoder reads any bit pattern), so these checkpoints
+exercise every loader and kernel path without running the quantizer. Layout follows exllamav3
+1.6.5's converter output: per-linear `trellis`/`suh`/`svh`/marker, unquantized embeddings and
+norms, fp16 MoE routers, an EXL3 `lm_head` at `head_bits`, `config.json` with the summary
+`quantization_config` and `quantization_config.json` with `tensor_storage` in module order.
+suh/svh are scaled so that the original-basis weights have std ~0.02 (a servable model).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from sglang_exl3.format.constants import ALIGN, MARKER_VALUES, SIDECAR_NAME, Codebook
+
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+_CODEBOOK_STD = {Codebook.INST3: 1.2437, Codebook.MCG: 1.2437, Codebook.MUL1: 1.0}
+_MAX_SHARD_BYTES = 4 << 30
+
+
+@dataclass
+class ModelDims:
+    """The config fields the writer needs; defaults are the tiny test model."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    vocab_size: int = 1024
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 256
+    extra: dict = field(default_factory=dict)  # copied into config.json as is
+
+
+LLAMA3_8B = ModelDims(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256)
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int = 2) -> dict:
+    cfg = {
+        "architectures": [HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_hidden_layers,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "vocab_size": dims.vocab_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0 if arch != "mixtral" else 1e6,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "dtype": "bfloat16",
+    }
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=dims.num_experts, num_local_experts=dims.num_experts,
+                   num_experts_per_tok=dims.num_experts_per_tok,
+                   moe_intermediate_size=dims.moe_intermediate_size, decoder_sparse_step=1,
+                   mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "mixtral":
+        cfg.update(num_local_experts=dims.num_experts, num_experts_per_tok=dims.num_experts_per_tok)
+    cfg.update(dims.extra)
+    return cfg
+
+
+def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' (shape = (in, out)),
+    'head' (EXL3 at head_bits), 'embed', 'norm' or 'router' (shape = the tensor's shape)."""
+    h, hd = dims.hidden_size, dims.head_dim
+    q_out, kv_out = dims.num_attention_heads * hd, dims.num_key_value_heads * hd
+    yield "model.embed_tokens", "embed", (dims.vocab_size, h)
+    for i in range(dims.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm", "norm", (h,)
+        yield f"{p}.self_attn.q_proj", "exl3", (h, q_out)
+        yield f"{p}.self_attn.k_proj", "exl3", (h, kv_out)
+        yield f"{p}.self_attn.v_proj", "exl3", (h, kv_out)
+        yield f"{p}.self_attn.o_proj", "exl3", (q_out, h)
+        if arch in ("qwen3", "qwen3_moe"):
+            yield f"{p}.self_attn.q_norm", "norm", (hd,)
+            yield f"{p}.self_attn.k_norm", "norm", (hd,)
+        yield f"{p}.post_attention_layernorm", "norm", (h,)
+        if arch == "qwen3_moe":
+            inter = dims.moe_intermediate_size
+            yield f"{p}.mlp.gate", "router", (dims.num_experts, h)
+            for e in range(dims.num_experts):
+                yield f"{p}.mlp.experts.{e}.up_proj", "exl3", (h, inter)
+                yield f"{p}.mlp.experts.{e}.gate_proj", "exl3", (h, inter)
+                yield f"{p}.mlp.experts.{e}.down_proj", "exl3", (inter, h)
+        elif arch == "mixtral":
+            inter = dims.intermediate_size
+            yield f"{p}.block_sparse_moe.gate", "router", (dims.num_experts, h)
+            for e in range(dims.num_experts):
+                yield f"{p}.block_sparse_moe.experts.{e}.w3", "exl3", (h, inter)
+                yield f"{p}.block_sparse_moe.experts.{e}.w1", "exl3", (h, inter)
+                yield f"{p}.block_sparse_moe.experts.{e}.w2", "exl3", (inter, h)
+        else:
+            yield f"{p}.mlp.up_proj", "exl3", (h, dims.intermediate_size)
+            yield f"{p}.mlp.gate_proj", "exl3", (h, dims.intermediate_size)
+            yield f"{p}.mlp.down_proj", "exl3", (dims.intermediate_size, h)
+    yield "model.norm", "norm", (h,)
+    yield "lm_head", "head", (h, dims.vocab_size)
+
+
+def random_exl3_linear(
+    in_features: int, out_features: int, bits: float, codebook: Codebook, gen: torch.Generator,
+    weight_std: float = 0.02,
+) -> dict[str, torch.Tensor]:
+    """Tensors of one EXL3 linear, in the order exllamav3 stores them (suh, svh, marker, trellis)."""
+    k, n = _pad(in_features), _pad(out_features)
+    words = int(bits * 16)
+    scale = (weight_std / _CODEBOOK_STD[codebook]) ** 0.5
+
+    def signed_scale(size: int) -> torch.Tensor:
+        sign = torch.randint(0, 2, (size,), generator=gen) * 2 - 1
+        jitter = 1 + 0.1 * torch.rand(size, generator=gen)
+        return (sign * jitter * scale).half()
+
+    out = {"suh": signed_scale(k), "svh": signed_scale(n)}
+    if codebook.marker:
+        value = MARKER_VALUES[codebook.marker]
+        out[codebook.marker] = torch.tensor(value - (1 << 32) if value >= 1 << 31 else value, dtype=torch.int32)
+    out["trellis"] = torch.randint(-32768, 32768, (k // 16, n // 16, words), generator=gen, dtype=torch.int16)
+    return out
+
+
+def _storage_entry(tensors: dict[str, torch.Tensor], bits: float | None, codebook: Codebook | None) -> dict:
+    entry: dict = {"stored_tensors": {
+        name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+        for name, t in tensors.items()}}
+    if bits is not None:
+        entry["quant_format"] = "exl3"
+        entry["bits_per_weight"] = int(bits) if float(bits).is_integer() else bits
+        if codebook.marker:
+            entry[f"{codebook.marker}_multiplier"] = MARKER_VALUES[codebook.marker]
+    return entry
+
+
+def write_exl3_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    dims: ModelDims | None = None,
+    bits: float = 4,
+    codebook: Codebook | str = Codebook.MUL1,
+    head_bits: float = 6,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    progress: bool = False,
+) -> Path:
+    """Write a complete EXL3 checkpoint folder (safetensors shards, config, sidecar, tokenizer)."""
+    if arch not in HF_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(HF_ARCHITECTURES)}")
+    dims = dims or ModelDims()
+    codebook = Codebook.from_label(codebook) if isinstance(codebook, str) else Codebook(codebook)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = {"bos": 0, "eos": 1, "pad": 2}
+    if with_tokenizer:
+        from sglang_exl3.synth.tokenizer import write_tokenizer
+
+        ids = write_tokenizer(out, dims.vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    storage: dict[str, dict] = {}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    plan = list(module_plan(arch, dims))
+    if progress:
+        from tqdm import tqdm
+
+        plan = tqdm(plan, desc="writing EXL3 modules", unit="module")
+    for key, kind, shape in plan:
+        if kind in ("exl3", "head"):
+            rate = head_bits if kind == "head" else bits
+            parts = random_exl3_linear(shape[0], shape[1], rate, codebook, gen)
+            tensors = {f"{key}.{s}": t for s, t in parts.items()}
+            storage[key] = _storage_entry(tensors, rate, codebook)
+        else:
+            if kind == "norm":
+                t = (1 + 0.1 * torch.randn(shape, generator=gen)).bfloat16()
+            elif kind == "router":
+                t = (0.02 * torch.randn(shape, generator=gen)).half()
+            else:
+                t = (0.02 * torch.randn(shape, generator=gen)).bfloat16()
+            tensors = {f"{key}.weight": t}
+            storage[key] = _storage_entry(tensors, None, None)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if shard_bytes and shard_bytes + size > _MAX_SHARD_BYTES:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1].update(tensors)
+        shard_bytes += size
+    _save_shards(out, shards)
+    qcfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(bits), "head_bits": head_bits,
+            "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook.label}
+    config = hf_config(arch, dims, ids["bos"], ids["eos"], ids["pad"])
+    config["quantization_config"] = qcfg
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / SIDECAR_NAME).write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=4))
+    return out
+
+
+def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        for t_name, t in shard.items():
+            weight_map[t_name] = name
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,55 @@
+"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral) for the converter.
+
+Dims are multiples of 128 so that exllamav3 pads nothing unexpected; each model is a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sglang_exl3.synth.tokenizer import write_tokenizer
+
+TINY_COMMON = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+TINY_ARCHS: dict[str, dict] = {
+    "llama": dict(intermediate_size=512),
+    "qwen3": dict(intermediate_size=512),
+    "qwen3_moe": dict(
+        intermediate_size=512, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    ),
+    "mixtral": dict(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors (bf16) and a tokenizer for a random tiny model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    ids = write_tokenizer(directory, TINY_COMMON["vocab_size"])
+    kwargs = {**TINY_COMMON, **TINY_ARCHS[arch], **overrides}
+    kwargs.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    config = AutoConfig.for_model(arch, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if arch == "qwen3_moe":
+        # exllamav3 reads num_experts; transformers 5 writes num_local_experts.
+        cfg.setdefault("num_experts", kwargs["num_experts"])
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return directory

@@ -1,0 +1,60 @@
+"""A small byte-level BPE tokenizer, trained offline on built-in text, for tiny test models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A trellis code maps a stream of bits to values.
+SGLang serves language models with a radix cache, CUDA graphs and speculative decoding.
+EXL3 stores each weight matrix as 16x16 tiles; every tile is a tail-biting ring of bits.
+Hadamard rotations spread outliers so that a small codebook covers the weights well.
+def forward(self, x):\n    return self.down(self.act(self.gate(x)) * self.up(x))\n
+Once upon a time there was a small model that answered questions about numbers: 1 2 3 4 5 6 7 8 9 10.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+"""
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>")
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% else %}<|assistant|>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
+    """Train a byte-level BPE of exactly `vocab_size` entries; write tokenizer.json and
+    tokenizer_config.json. Returns the special token ids (bos, eos, pad)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    # Pad the vocabulary to exactly vocab_size so that embedding rows and ids agree.
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    tok.save(str(directory / "tokenizer.json"))
+    ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad"), SPECIAL_TOKENS)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "pad_token": SPECIAL_TOKENS[2],
+        "model_max_length": 4096,
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return ids

@@ -1,0 +1,1 @@
+"""User-facing tools over the format and codec layers (no SGLang import): inspect, dequantize."""

@@ -1,0 +1,116 @@
+"""`python -m sglang_exl3 dequantize CKPT OUT`: an EXL3 checkpoint -> a plain HF safetensors checkpoint.
+
+Every EXL3 linear becomes `<key>.weight` [out, in] = get_weight_tensor().T with the 128-padding
+trimmed (and `<key>.bias`); the fp16 weight is bit-identical to exllamav3's `get_weight_tensor()`
+(see codec/weight.py). Other tensors are copied; floating ones are cast to --dtype. config.json
+loses its quantization_config; tokenizer and other side files are copied. OUT must be empty.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from sglang_exl3.codec.signs import unpack_sign_bits
+from sglang_exl3.codec.weight import dequantize_weight
+from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
+from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
+from sglang_exl3.tools.logical_shapes import logical_in_out, trimmed_size
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_SKIP_FILES = {CONFIG_NAME, SIDECAR_NAME, "model.safetensors.index.json"}
+
+
+def _module_weight(ckpt: Exl3Checkpoint, key: str, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp16 weight [out, in] (trimmed) and optional bias [out] of one EXL3 module."""
+    record = ckpt.modules[key]
+    t = ckpt.load_module(key, device)
+    suh = t["suh"] if "suh" in t else unpack_sign_bits(t["su"])
+    svh = t["svh"] if "svh" in t else unpack_sign_bits(t["sv"])
+    w = dequantize_weight(t["trellis"], suh, svh, record.codebook)
+    in_l, out_l = logical_in_out(key, ckpt.config)
+    k = trimmed_size(in_l, record.in_features)
+    n = trimmed_size(out_l, record.out_features)
+    bias = t["bias"][:n].half() if "bias" in t else None
+    return w[:k, :n].T.contiguous(), bias
+
+
+def _out_config(config: dict, dtype: str) -> dict:
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    out["dtype"] = dtype
+    out.pop("torch_dtype", None)
+    return out
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new folder (nothing was written)")
+
+
+def dequantize_checkpoint(
+    ckpt_path: str | Path,
+    out_path: str | Path,
+    dtype: str = "float16",
+    device: str = "cpu",
+    max_shard_bytes: int = 4 << 30,
+    progress: bool = True,
+) -> dict:
+    """Write the dequantized checkpoint; returns a summary (modules, tensors, shards)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_path)
+    _check_out_dir(out)
+    ckpt = load_checkpoint(ckpt_path)  # strict: invalid checkpoints fail before anything is written
+    target = DTYPES[dtype]
+    out.mkdir(parents=True, exist_ok=True)
+    keys = list(ckpt.modules)
+    plain = ckpt.plain_tensor_names()
+    items = [("exl3", k) for k in keys] + [("plain", n) for n in plain]
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="dequantizing", unit="tensor")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for kind, name in items:
+        if kind == "exl3":
+            weight, bias = _module_weight(ckpt, name, device)
+            tensors = {f"{name}.weight": weight.to(target).cpu()}
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias.to(target).cpu()
+        else:
+            t = ckpt.load_tensor(name)
+            tensors = {name: t.to(target) if t.is_floating_point() else t}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1].update(tensors)
+        size += nbytes
+    names = _write_shards(out, shards)
+    (out / CONFIG_NAME).write_text(json.dumps(_out_config(ckpt.config, dtype), indent=2))
+    for f in sorted(ckpt.path.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_FILES:
+            shutil.copy2(f, out / f.name)
+    return {"exl3_modules": len(keys), "plain_tensors": len(plain), "shards": names, "dtype": dtype}
+
+
+def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> list[str]:
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        names.append(name)
+        for t_name, t in shard.items():
+            weight_map[t_name] = name
+            total += t.numel() * t.element_size()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
