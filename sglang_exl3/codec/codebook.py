@@ -7,7 +7,7 @@ result equals the fused fp16 instruction the CUDA code uses (`__hadd`, `__hfma`)
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -43,7 +43,7 @@ def _compute(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     return (_bits_to_f16(x).float() + _bits_to_f16(x >> 16).float()).half()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _table_cpu(codebook: Codebook) -> torch.Tensor:
     return _compute(torch.arange(65536), codebook)
 

@@ -9,7 +9,7 @@ the result bit-identical to the CUDA kernel.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -17,7 +17,7 @@ BLOCK = 128
 _R_SCALE = 0.088388347648  # the kernel's fp32 literal for 1/sqrt(128)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hadamard_128_f64() -> torch.Tensor:
     i = torch.arange(BLOCK)
     parity = torch.zeros(BLOCK, BLOCK, dtype=torch.int64)

@@ -8,7 +8,7 @@ indices modulo the ring. Positions map to tile elements by the mma.m16n8k16 B-fr
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -35,7 +35,7 @@ def words_from_bits(bits: float) -> int:
     return int(words)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _window_plan(words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each position: index of the first stream word, of the next one, and the right shift."""
     k2 = words // 8
@@ -47,7 +47,7 @@ def _window_plan(words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return first, (first + 1) % words, 16 - (start & 15)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _position_to_element() -> torch.Tensor:
     """Row-major tile element index (row = k offset, col = n offset) encoded by each position.
 
@@ -60,7 +60,7 @@ def _position_to_element() -> torch.Tensor:
     return (8 * jr8 + 2 * rq + jr1) * TILE + 8 * jc + c0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _element_to_position() -> torch.Tensor:
     return torch.argsort(_position_to_element())
 

@@ -71,7 +71,8 @@ def record_golden(out: Path) -> None:
         tensors[f"reconstruct.{cb}.{k}.w_hat"] = w.cpu()
     # Hadamard: pre-scale, post-scale, plain fp16 and fp32.
     x = (torch.randn(8, 384, generator=gen) * 3).half()
-    scale = (torch.rand(384, generator=gen) + 0.5).half() * torch.where(torch.rand(384, generator=gen) < 0.5, -1, 1).half()
+    sign = torch.where(torch.rand(384, generator=gen) < 0.5, -1, 1).half()
+    scale = (torch.rand(384, generator=gen) + 0.5).half() * sign
     tensors["had.x"], tensors["had.scale"] = x, scale
     for name, pre, post in (("pre", scale, None), ("post", None, scale), ("plain", None, None)):
         y = torch.empty_like(x).cuda()

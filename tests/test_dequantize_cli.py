@@ -1,0 +1,124 @@
+"""`python -m sglang_exl3 dequantize` and `inspect` on real exllamav3 output, end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import DATA, DENSE_CKPTS, EXLLAMAV3_CKPTS, fp16_ulp_distance
+
+CLI = [sys.executable, "-m", "sglang_exl3"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("ckpt", DENSE_CKPTS, ids=lambda p: p.name)
+def test_dequantize_fp16_is_within_2_ulps_of_exllamav3(ckpt, tmp_path):
+    out = tmp_path / "dq"
+    proc = run("dequantize", str(ckpt), str(out), "--dtype", "float16", "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    written = load_file(str(out / "model.safetensors"))
+    oracle = load_file(str(ckpt / "oracle" / "exllamav3_oracle.safetensors"))
+    keys = [k for k in oracle if k.endswith(".weight")]
+    assert keys
+    for key in keys:
+        ours = written[key]
+        assert ours.dtype == torch.float16
+        assert ours.shape == oracle[key].T.shape  # HF orientation [out, in]; tiny dims need no trim
+        assert fp16_ulp_distance(ours.T, oracle[key]).max() <= 2, key
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float16"
+    assert (out / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    assert not (out / "quantization_config.json").exists()
+    embed = written["model.embed_tokens.weight"]
+    assert embed.dtype == torch.float16
+
+
+def test_dequantized_model_reproduces_exllamav3_logits(tmp_path):
+    """The dequantized checkpoint runs in transformers and gives exllamav3's own logits."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("tiny-qwen3-mul1-2.5bpw", "tiny-mixtral-mcg-3bpw"):
+        ckpt, out = DATA / "exllamav3" / name, tmp_path / name
+        assert run("dequantize", str(ckpt), str(out), "--quiet", "--device", "cpu").returncode == 0
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        oracle = load_file(str(ckpt / "oracle" / "exllamav3_oracle.safetensors"))
+        with torch.no_grad():
+            logits = model(oracle["input_ids"]).logits
+        ref = oracle["logits"]
+        assert ((logits - ref).norm() / ref.norm()) < 1e-2
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def test_dequantize_bf16_and_refuses_non_empty_out(tmp_path):
+    ckpt = EXLLAMAV3_CKPTS[0]
+    out = tmp_path / "dq"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run("dequantize", str(ckpt), str(out), "--quiet")
+    assert proc.returncode == 1 and "is not empty" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    out2 = tmp_path / "dq2"
+    assert run("dequantize", str(ckpt), str(out2), "--dtype", "bfloat16", "--quiet").returncode == 0
+    written = load_file(str(out2 / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in written.values())
+
+
+def test_dequantize_trims_padding_and_legacy_signs(tmp_path):
+    """k/v of one 64-wide KV head are padded to 128 in EXL3; the HF weight must be [64, hidden]."""
+    from conftest import mutate
+    from sglang_exl3.codec import dequantize_weight, unpack_sign_bits
+    from sglang_exl3.format import load_checkpoint
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    dims = ModelDims(num_hidden_layers=1, num_key_value_heads=1, vocab_size=1000)
+    ckpt = write_exl3_checkpoint(tmp_path / "c", "llama", dims=dims, bits=3, codebook="mcg",
+                                 with_tokenizer=False)
+    key = "model.layers.0.self_attn.k_proj"
+    su = torch.randint(-32768, 32768, (16,), dtype=torch.int16)
+
+    def to_legacy(t, s, c):
+        t[f"{key}.su"] = su
+        del t[f"{key}.suh"]
+        s["tensor_storage"][key]["stored_tensors"].pop(f"{key}.suh")
+
+    mutate(ckpt, to_legacy)
+    dequantize_checkpoint(ckpt, tmp_path / "out", progress=False)
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert written[key + ".weight"].shape == (64, 256)
+    assert written["lm_head.weight"].shape == (1000, 256)
+    t = load_checkpoint(ckpt).load_module(key)
+    expected = dequantize_weight(t["trellis"], unpack_sign_bits(su), t["svh"],
+                                 load_checkpoint(ckpt).modules[key].codebook)
+    assert torch.equal(written[key + ".weight"], expected[:, :64].T)
+
+
+def test_dequantize_rejects_invalid_checkpoint_before_writing(tmp_path, tiny_ckpt):
+    (tiny_ckpt / "quantization_config.json").write_text("{}")
+    out = tmp_path / "dq"
+    proc = run("dequantize", str(tiny_ckpt), str(out), "--quiet")
+    assert proc.returncode == 1 and "tensor_storage" in proc.stderr
+    assert not out.exists()
+
+
+def test_inspect_reports_and_exit_codes(tiny_ckpt):
+    ckpt = EXLLAMAV3_CKPTS[0]
+    proc = run("inspect", str(ckpt))
+    assert proc.returncode == 0, proc.stdout
+    assert "LlamaForCausalLM" in proc.stdout and "no problems found" in proc.stdout
+    proc = run("inspect", str(ckpt), "--json")
+    summary = json.loads(proc.stdout)
+    assert summary["exl3_modules"] == 15 and summary["problems"] == []
+    assert summary["modules"]["lm_head"]["bits"] == 6
+    (tiny_ckpt / "model.safetensors").rename(tiny_ckpt / "other.bin")
+    proc = run("inspect", str(tiny_ckpt))
+    assert proc.returncode == 1
+    assert "PROBLEMS" in proc.stdout and "missing from the safetensors files" in proc.stdout

@@ -1,0 +1,31 @@
+"""The test environment is the real stack, and the lower layers stay free of SGLang."""
+
+import subprocess
+import sys
+
+LOWER_LAYERS = ["sglang_exl3", "sglang_exl3.format", "sglang_exl3.codec", "sglang_exl3.synth.exl3_writer",
+                "sglang_exl3.tools.dequantize", "sglang_exl3.tools.inspect_checkpoint", "sglang_exl3.cli.main"]
+
+
+def test_real_sglang_imports_on_cpu():
+    import sglang
+    import torch
+    import transformers
+    from sglang.srt.layers.quantization.base_config import QuantizationConfig  # noqa: F401
+
+    assert sglang.__version__ == "0.5.17"
+    assert torch.__version__.startswith("2.11.0")
+    assert transformers.__version__ == "5.12.1"
+
+
+def test_lower_layers_do_not_import_sglang():
+    code = "import sys\n" + "".join(f"import {m}\n" for m in LOWER_LAYERS) + \
+        "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]\nprint(bad)\nassert not bad"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_format_layer_does_not_import_codec():
+    code = ("import sys, sglang_exl3.format\n"
+            "assert not [m for m in sys.modules if m.startswith('sglang_exl3.codec')]")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
