@@ -126,6 +126,9 @@ CASES = {
     "tensor_storage absent": (lambda t, s, c: s.pop("tensor_storage"), EMPTY_STORAGE_MESSAGE),
     "no quantization_config": (lambda t, s, c: c.pop("quantization_config"),
                                "config.json has no quantization_config: this is not an EXL3 checkpoint"),
+    "quantized embedding": (_both(_set("model.embed_tokens.trellis", torch.zeros(32, 16, 64, dtype=torch.int16)),
+                                  _set("model.embed_tokens.signs", torch.zeros(256, dtype=torch.int16))),
+                            "model.embed_tokens.signs: quantized embedding table"),
     "other quant_method": (lambda t, s, c: c["quantization_config"].update(quant_method="gptq"),
                            "quant_method is 'gptq', not 'exl3'"),
 }

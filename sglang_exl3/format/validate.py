@@ -107,6 +107,10 @@ def check_module(ckpt: Exl3Checkpoint, key: str) -> tuple[Exl3ModuleRecord | Non
     prefix = key + "."
     parts = {n[len(prefix):]: i for n, i in ckpt.tensors.items()
              if n.startswith(prefix) and "." not in n[len(prefix):]}
+    if "signs" in parts and not {"suh", "su"} & set(parts):
+        return None, [Problem("quantized embedding table (exllamav3's --embed_bits ring codec: trellis + signs) "
+                              "is not supported", module=key, tensor=prefix + "signs",
+                              fix="re-export with --embed_bits 16 (exllamav3's default)")]
     for suffix in sorted(set(parts) - set(EXL3_SUFFIXES)):
         out.append(Problem(f"unexpected tensor '{suffix}' in an EXL3 module", module=key,
                            tensor=prefix + suffix, fix="remove it or re-export with exllamav3"))

@@ -19,22 +19,22 @@ from sglang_exl3.codec.signs import unpack_sign_bits
 from sglang_exl3.codec.weight import dequantize_weight
 from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
-from sglang_exl3.tools.logical_shapes import logical_in_out, trimmed_size
+from sglang_exl3.tools.logical_shapes import logical_sizes, meta_model_shapes
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _SKIP_FILES = {CONFIG_NAME, SIDECAR_NAME, "model.safetensors.index.json"}
 
 
-def _module_weight(ckpt: Exl3Checkpoint, key: str, device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _module_weight(
+    ckpt: Exl3Checkpoint, key: str, device: str, meta_shapes: dict
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp16 weight [out, in] (trimmed) and optional bias [out] of one EXL3 module."""
     record = ckpt.modules[key]
     t = ckpt.load_module(key, device)
     suh = t["suh"] if "suh" in t else unpack_sign_bits(t["su"])
     svh = t["svh"] if "svh" in t else unpack_sign_bits(t["sv"])
     w = dequantize_weight(t["trellis"], suh, svh, record.codebook)
-    in_l, out_l = logical_in_out(key, ckpt.config)
-    k = trimmed_size(in_l, record.in_features)
-    n = trimmed_size(out_l, record.out_features)
+    k, n = logical_sizes(key, ckpt.config, record.in_features, record.out_features, meta_shapes)
     bias = t["bias"][:n].half() if "bias" in t else None
     return w[:k, :n].T.contiguous(), bias
 
@@ -68,6 +68,7 @@ def dequantize_checkpoint(
     target = DTYPES[dtype]
     out.mkdir(parents=True, exist_ok=True)
     keys = list(ckpt.modules)
+    meta_shapes = meta_model_shapes(ckpt.config)
     plain = ckpt.plain_tensor_names()
     items = [("exl3", k) for k in keys] + [("plain", n) for n in plain]
     if progress:
@@ -78,7 +79,7 @@ def dequantize_checkpoint(
     size = 0
     for kind, name in items:
         if kind == "exl3":
-            weight, bias = _module_weight(ckpt, name, device)
+            weight, bias = _module_weight(ckpt, name, device, meta_shapes)
             tensors = {f"{name}.weight": weight.to(target).cpu()}
             if bias is not None:
                 tensors[f"{name}.bias"] = bias.to(target).cpu()
