@@ -48,9 +48,20 @@ def _table_cpu(codebook: Codebook) -> torch.Tensor:
     return _compute(torch.arange(65536), codebook)
 
 
+_DEVICE_TABLES: dict[tuple[Codebook, str], torch.Tensor] = {}
+
+
 def codebook_table(codebook: Codebook, device: torch.device | str = "cpu") -> torch.Tensor:
-    """All 65,536 decoded values of a codebook (fp16), indexed by state."""
-    return _table_cpu(Codebook(codebook)).to(device)
+    """All 65,536 decoded values of a codebook (fp16), indexed by state.
+
+    Cached per device: after the first call on a device no host-to-device copy happens, so
+    decoding inside CUDA-graph capture is safe once a warm-up call has run.
+    """
+    key = (Codebook(codebook), str(torch.device(device)))
+    table = _DEVICE_TABLES.get(key)
+    if table is None:
+        table = _DEVICE_TABLES[key] = _table_cpu(key[0]).to(device)
+    return table
 
 
 def decode_states(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:

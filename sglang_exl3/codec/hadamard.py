@@ -32,6 +32,12 @@ def hadamard_128(dtype: torch.dtype = torch.float64, device: torch.device | str 
     return _hadamard_128_f64().to(dtype=dtype, device=device)
 
 
+@cache
+def _r_scale(scale: float) -> float:
+    """The kernel's fp32 `scale * 0.088388347648f` (exact as a Python float)."""
+    return float(torch.tensor(scale, dtype=torch.float32) * torch.tensor(_R_SCALE, dtype=torch.float32))
+
+
 def _butterfly(v: torch.Tensor) -> torch.Tensor:
     """Unnormalised fp32 Walsh-Hadamard transform of rows of 128, in the kernel's stage order."""
     h = 1
@@ -64,8 +70,7 @@ def had_r_128(
     if pre_scale is not None:
         x = (x.float() * pre_scale.float()).to(x.dtype)
     v = _butterfly(x.float().reshape(-1, BLOCK))
-    r = torch.tensor(scale, dtype=torch.float32) * torch.tensor(_R_SCALE, dtype=torch.float32)
-    y = (v * r.to(v.device)).reshape(shape).to(out_dtype)
+    y = (v * _r_scale(float(scale))).reshape(shape).to(out_dtype)
     if post_scale is not None:
         y = (y.float() * post_scale.float()).to(out_dtype)
     return y

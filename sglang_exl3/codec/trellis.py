@@ -65,6 +65,20 @@ def _element_to_position() -> torch.Tensor:
     return torch.argsort(_position_to_element())
 
 
+_DEVICE_CACHE: dict[tuple[str, int, str], torch.Tensor | tuple[torch.Tensor, ...]] = {}
+
+
+def _on_device(name: str, arg: int, device: torch.device, build):
+    """Index tensors cached per device (no host-to-device copy after the first call)."""
+    key = (name, arg, str(device))
+    value = _DEVICE_CACHE.get(key)
+    if value is None:
+        built = build()
+        value = tuple(t.to(device) for t in built) if isinstance(built, tuple) else built.to(device)
+        _DEVICE_CACHE[key] = value
+    return value
+
+
 def _stream_words(trellis: torch.Tensor) -> torch.Tensor:
     """int16 [..., W] -> int32 uint16 values in stream order (each int16 pair swapped)."""
     words = trellis.shape[-1]
@@ -76,7 +90,8 @@ def trellis_states(trellis: torch.Tensor) -> torch.Tensor:
     """int16 trellis [..., W] -> int32 states [..., 256] in position order."""
     if trellis.dtype != torch.int16:
         raise TypeError(f"trellis must be int16, got {trellis.dtype}")
-    first, second, shift = (x.to(trellis.device) for x in _window_plan(trellis.shape[-1]))
+    words = trellis.shape[-1]
+    first, second, shift = _on_device("window", words, trellis.device, lambda: _window_plan(words))
     s = _stream_words(trellis)
     window = (s[..., first] << 16) | s[..., second]
     # int32 arithmetic shift is fine: the mask keeps bits that came from the 32-bit window.
@@ -86,7 +101,7 @@ def trellis_states(trellis: torch.Tensor) -> torch.Tensor:
 def tiles_from_positions(values: torch.Tensor) -> torch.Tensor:
     """[kt, nt, 256] position-order values -> [16*kt, 16*nt] matrix ([in, out] orientation)."""
     kt, nt, _ = values.shape
-    order = _element_to_position().to(values.device)
+    order = _on_device("order", 0, values.device, _element_to_position)
     tiles = values[..., order].reshape(kt, nt, TILE, TILE)
     return tiles.permute(0, 2, 1, 3).reshape(kt * TILE, nt * TILE)
 

@@ -46,7 +46,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
     if missing > 0:
         tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
     tok.save(str(directory / "tokenizer.json"))
-    ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad"), SPECIAL_TOKENS, strict=True)}
+    ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad"), SPECIAL_TOKENS[:3], strict=True)}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],

@@ -1,0 +1,70 @@
+"""Choosing and loading a GEMM backend (`SGLANG_EXL3_BACKEND`: auto|triton|exllamav3|torch)."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import os
+import sys
+from functools import cache
+
+import torch
+
+from sglang_exl3 import knobs
+
+
+class Backend(enum.IntEnum):
+    TORCH = 0
+    EXLLAMAV3 = 1
+    TRITON = 2
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+@cache
+def load_exllamav3_ext():
+    """exllamav3's compiled extension: from SGLANG_EXL3_EXT_PATH if set, else through exllamav3
+    (which JIT-builds it on first import). Raises BackendUnavailable naming the fix."""
+    path = knobs.get("EXT_PATH")
+    try:
+        if path:
+            folder = path if os.path.isdir(path) else os.path.dirname(path)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            ext = importlib.import_module("exllamav3_ext")
+        else:
+            ext = importlib.import_module("exllamav3.ext").exllamav3_ext
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        raise BackendUnavailable(
+            f"exllamav3's extension is not importable ({type(e).__name__}: {e}); install "
+            "sglang-exl3[exllamav3] (its CUDA extension builds on first import) or point "
+            "SGLANG_EXL3_EXT_PATH at a prebuilt exllamav3_ext") from e
+    if not hasattr(ext, "exl3_gemm"):
+        raise BackendUnavailable(f"{getattr(ext, '__file__', ext)} has no exl3_gemm; it is not exllamav3_ext")
+    return ext
+
+
+def resolve_backend(device: torch.device) -> Backend:
+    """The backend the knob asks for, checked against what this device and install can run."""
+    choice = knobs.get("BACKEND")
+    if choice == "torch":
+        return Backend.TORCH
+    if choice == "triton":
+        raise BackendUnavailable(
+            "SGLANG_EXL3_BACKEND=triton: the Triton trellis kernels are not built yet; "
+            "use auto, exllamav3 or torch")
+    cuda = torch.device(device).type == "cuda"
+    if choice == "exllamav3":
+        if not cuda:
+            raise BackendUnavailable("SGLANG_EXL3_BACKEND=exllamav3 needs a CUDA device")
+        load_exllamav3_ext()
+        return Backend.EXLLAMAV3
+    if cuda:  # auto
+        try:
+            load_exllamav3_ext()
+            return Backend.EXLLAMAV3
+        except BackendUnavailable:
+            return Backend.TORCH
+    return Backend.TORCH

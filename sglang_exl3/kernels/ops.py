@@ -1,0 +1,50 @@
+"""`torch.ops.exl3.gemm`: the EXL3 linear as one registered op with a fake (meta) implementation,
+so `torch.compile` / SGLang's piecewise graphs trace through it and CUDA graphs capture it.
+
+y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
+Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_exl3.codec.hadamard import had_r_128
+from sglang_exl3.codec.trellis import reconstruct
+from sglang_exl3.format.constants import Codebook
+from sglang_exl3.kernels.backends import Backend, load_exllamav3_ext
+
+
+def _torch_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                w_hat: torch.Tensor | None, codebook: int) -> torch.Tensor:
+    if w_hat is None:
+        w_hat = reconstruct(trellis, Codebook(codebook))
+    xh = had_r_128(x, pre_scale=suh)
+    if x.is_cuda:
+        acc = torch.matmul(xh, w_hat).float()  # cuBLAS fp16 GEMM, fp32 accumulation
+    else:
+        acc = torch.matmul(xh.float(), w_hat.float())
+    return had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
+
+
+def _exllamav3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                    codebook: int) -> torch.Tensor:
+    ext = load_exllamav3_ext()
+    out = torch.empty(x.shape[0], trellis.shape[1] * 16, dtype=torch.float16, device=x.device)
+    x_had = torch.empty_like(x)
+    ext.exl3_gemm(x, trellis, out, suh, x_had, svh, -1, codebook == Codebook.MCG, codebook == Codebook.MUL1, 0)
+    return out
+
+
+@torch.library.custom_op("exl3::gemm", mutates_args=())
+def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+              w_hat: torch.Tensor | None, codebook: int, backend: int) -> torch.Tensor:
+    """x: fp16 [m, K] contiguous; trellis int16 [K/16, N/16, 16*bits]; suh fp16 [K]; svh fp16 [N]."""
+    if backend == Backend.EXLLAMAV3:
+        return _exllamav3_gemm(x, trellis, suh, svh, codebook)
+    return _torch_gemm(x, trellis, suh, svh, w_hat, codebook)
+
+
+@exl3_gemm.register_fake
+def _(x, trellis, suh, svh, w_hat, codebook, backend):
+    return x.new_empty((x.shape[0], trellis.shape[1] * 16), dtype=torch.float16)

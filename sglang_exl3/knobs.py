@@ -1,0 +1,102 @@
+"""Every `SGLANG_EXL3_*` knob, parsed and validated in one place.
+
+Blank means unset (compose/k8s render unset variables as ""). A bad value raises `KnobError`
+naming the variable; `validate_all()` runs at plugin registration so that a typo fails at startup,
+never mid-serve. Semantics and defaults follow the reference vLLM implementation's `VLLM_EXL3_*`
+knobs (mapping in README.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PREFIX = "SGLANG_EXL3_"
+
+
+class KnobError(ValueError):
+    """An SGLANG_EXL3_* environment variable holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str  # without the prefix
+    default: object
+    kind: str  # "choice", "positive_int", "flag", "path"
+    choices: tuple[str, ...] = ()
+    help: str = ""
+    vllm_name: str | None = None
+
+    @property
+    def env(self) -> str:
+        return PREFIX + self.name
+
+    def read(self, environ: dict[str, str] | None = None):
+        raw = (os.environ if environ is None else environ).get(self.env, "")
+        raw = raw.strip()
+        if raw == "":
+            return self.default
+        if self.kind == "choice":
+            value = raw.lower()
+            if value not in self.choices:
+                raise KnobError(f"{self.env} must be one of {', '.join(self.choices)} or unset, got {raw!r}")
+            return value
+        if self.kind == "positive_int":
+            try:
+                value = int(raw)
+            except ValueError:
+                raise KnobError(f"{self.env} must be a positive integer or unset, got {raw!r}") from None
+            if value <= 0:
+                raise KnobError(f"{self.env} must be positive, got {value}")
+            if self.choices and str(value) not in self.choices:
+                raise KnobError(f"{self.env} must be one of {', '.join(self.choices)}, got {value}")
+            return value
+        if self.kind == "flag":
+            if raw not in ("0", "1"):
+                raise KnobError(f"{self.env} must be 0 or 1 or unset, got {raw!r}")
+            return raw == "1"
+        if self.kind == "path":
+            if not os.path.exists(raw):
+                raise KnobError(f"{self.env} points to {raw!r}, which does not exist")
+            return raw
+        raise AssertionError(self.kind)
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("BACKEND", "auto", "choice", ("auto", "triton", "exllamav3", "torch"),
+         "dense GEMM backend: auto = our kernels, else exllamav3's extension, else the torch reference"),
+    Knob("EXT_PATH", None, "path", help="folder or .so of a prebuilt exllamav3_ext to import",
+         vllm_name="VLLM_EXL3_EXT_PATH"),
+    Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",
+         vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
+    Knob("TRELLIS_MIN_M", 1, "positive_int", help="MoE decode plan: smallest m (below: parity path)",
+         vllm_name="VLLM_EXL3_TRELLIS_MIN_M"),
+    Knob("TRELLIS_MAX_M", 32, "positive_int", help="MoE decode plan: largest m",
+         vllm_name="VLLM_EXL3_TRELLIS_MAX_M"),
+    Knob("TRELLIS_BLOCK_M", 8, "positive_int", help="MoE decode plan block", vllm_name="VLLM_EXL3_TRELLIS_BLOCK_M"),
+    Knob("PREFILL_CHUNK", 128, "positive_int", help="MoE parity chunk / staging rows",
+         vllm_name="VLLM_EXL3_PREFILL_CHUNK"),
+    Knob("PREFILL_TRELLIS", True, "flag", help="MoE prefill plan on (0: single-plan behaviour)",
+         vllm_name="VLLM_EXL3_PREFILL_TRELLIS"),
+    Knob("PREFILL_BLOCK_M", 64, "positive_int", ("8", "16", "32", "48", "64"), "MoE prefill plan block",
+         vllm_name="VLLM_EXL3_PREFILL_BLOCK_M"),
+)}
+
+
+def get(name: str, environ: dict[str, str] | None = None):
+    """Current value of knob `name` (without the SGLANG_EXL3_ prefix)."""
+    return KNOBS[name].read(environ)
+
+
+def validate_all(environ: dict[str, str] | None = None) -> dict[str, object]:
+    """Parse every knob and reject unknown SGLANG_EXL3_* variables; returns the values."""
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith(PREFIX) and k[len(PREFIX):] not in KNOBS)
+    if unknown:
+        raise KnobError(f"unknown variable(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(k.env for k in KNOBS.values())}")
+    values = {name: knob.read(env) for name, knob in KNOBS.items()}
+    if values["TRELLIS_MIN_M"] > values["TRELLIS_MAX_M"]:
+        raise KnobError(f"SGLANG_EXL3_TRELLIS_MIN_M ({values['TRELLIS_MIN_M']}) exceeds "
+                        f"SGLANG_EXL3_TRELLIS_MAX_M ({values['TRELLIS_MAX_M']})")
+    return values

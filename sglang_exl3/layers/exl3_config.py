@@ -1,0 +1,138 @@
+"""`Exl3Config`: SGLang's QuantizationConfig for EXL3 checkpoints (`--quantization exl3`).
+
+SGLang hands `from_config` only config.json's `quantization_config` (plus `hf_config` and the
+model's `packed_modules_mapping`); the per-module records live in the sidecar
+`quantization_config.json`, so the checkpoint folder is found through `hf_config._name_or_path`
+and validated in full at startup (every problem listed; nothing fails mid-serve). The no-argument
+constructor is the pass-through config SGLang builds for a bf16 draft model served under
+`--quantization exl3`: everything stays unquantized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+from sglang_exl3.format import Exl3Checkpoint, Exl3ModuleRecord, load_checkpoint
+from sglang_exl3.layers.linear import Exl3LinearMethod
+
+logger = logging.getLogger(__name__)
+
+_QKV_IDS = ("q", "k", "v")
+
+
+def _candidates(key: str) -> list[str]:
+    """Spellings of a module key to try against the checkpoint (exact first): with/without a leading
+    `model.`, and with one `model` / `language_model` segment collapsed anywhere."""
+    out = [key]
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part in ("model", "language_model"):
+            out.append(".".join(parts[:i] + parts[i + 1:]))
+    out += [c[len("model."):] for c in list(out) if c.startswith("model.")]
+    out += ["model." + c for c in list(out) if not c.startswith("model.")]
+    return list(dict.fromkeys(out))
+
+
+class Exl3Config(QuantizationConfig):
+    def __init__(self, checkpoint: Exl3Checkpoint | None = None, summary: dict | None = None):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.summary = summary or {}
+
+    def __repr__(self) -> str:
+        where = self.checkpoint.path if self.checkpoint else "pass-through (unquantized)"
+        return f"Exl3Config({where}, {len(self.checkpoint.modules) if self.checkpoint else 0} EXL3 modules)"
+
+    def get_name(self) -> str:
+        return "exl3"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # SGLang then builds Exl3Config() for a draft without quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Exl3Config:
+        from sglang_exl3 import knobs
+
+        knobs.validate_all()  # a bad SGLANG_EXL3_* value stops the model load, naming the variable
+        hf_config = config.get("hf_config")
+        path = getattr(hf_config, "_name_or_path", None) or config.get("model_path")
+        summary = {k: v for k, v in config.items() if k not in ("hf_config", "packed_modules_mapping")}
+        if not path or not os.path.isdir(path):
+            raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
+                             f"path is {path!r}; pass a local folder to --model-path")
+        ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
+        logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s", path, len(ckpt.modules),
+                    sorted({m.codebook.label for m in ckpt.modules.values()}))
+        out = cls(ckpt, summary)
+        if config.get("packed_modules_mapping"):
+            out.packed_modules_mapping = dict(config["packed_modules_mapping"])
+        return out
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    # -- which layers are EXL3 ------------------------------------------------------------------
+    def record_for(self, key: str) -> Exl3ModuleRecord | None:
+        if self.checkpoint is None:
+            return None
+        for cand in _candidates(key):
+            if cand in self.checkpoint.modules:
+                return self.checkpoint.modules[cand]
+        return None
+
+    def _source_records(self, prefix: str) -> dict[object, Exl3ModuleRecord | None]:
+        """Shard id -> record of each checkpoint matrix behind the SGLang layer at `prefix`."""
+        head, _, last = prefix.rpartition(".")
+        sources = self.packed_modules_mapping.get(last)
+        if not sources:
+            return {None: self.record_for(prefix)}
+        ids = _QKV_IDS if last == "qkv_proj" and len(sources) == 3 else range(len(sources))
+        return {sid: self.record_for(f"{head}.{src}" if head else src) for sid, src in zip(ids, sources, strict=True)}
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, ParallelLMHead):
+            record = self.record_for(prefix or "lm_head")
+            return Exl3LinearMethod({None: record}, prefix or "lm_head") if record else None
+        if isinstance(layer, VocabParallelEmbedding):
+            return None  # embeddings stay unquantized in EXL3 checkpoints
+        if isinstance(layer, LinearBase):
+            records = self._source_records(prefix)
+            found = {sid: r for sid, r in records.items() if r is not None}
+            if not found:
+                return UnquantizedLinearMethod()
+            if len(found) != len(records):
+                missing = [sid for sid, r in records.items() if r is None]
+                raise ValueError(f"Packed EXL3 projection {prefix} mixes EXL3 and unquantized source shards "
+                                 f"(not EXL3: {missing}); a fused module must use one quantization scheme")
+            return Exl3LinearMethod(found, prefix)
+        if self.checkpoint is not None and _is_moe(layer) and self._has_exl3_experts(prefix):
+            raise NotImplementedError(
+                f"EXL3 mixture-of-experts layers ({prefix}) are not supported yet by sglang-exl3; "
+                "serve the dequantized checkpoint (python -m sglang_exl3 dequantize) meanwhile")
+        return None
+
+    def _has_exl3_experts(self, prefix: str) -> bool:
+        pattern = re.compile(r"\.experts\.\d+\.")
+        return any(pattern.search(k) and any(c in k for c in _candidates(prefix))
+                   for k in self.checkpoint.modules)
+
+
+def _is_moe(layer: torch.nn.Module) -> bool:
+    return type(layer).__name__ in ("FusedMoE", "EPMoE", "DeepEPMoE", "FlashInferFusedMoE")

@@ -1,0 +1,215 @@
+"""`Exl3LinearMethod`: EXL3 linear layers (and the quantized lm_head) inside SGLang.
+
+Fused layers (`qkv_proj`, `gate_up_proj`) keep one EXL3 matrix per source ("shard"): each source
+has its own suh/svh, codebook and bitrate, and they are never merged. Loading: placeholder
+parameters named like the checkpoint suffixes (`trellis`, `suh`, `svh`, `su`, `sv`, `mcg`, `mul1`)
+receive whole tensors per shard; `process_weights_after_loading` checks them against the
+checkpoint's records (so a silently skipped tensor is an error at load time), slices them for this
+tensor-parallel rank in 128-element units, moves them to the device and, for the torch backend,
+caches the decoded W_hat. `apply` runs `torch.ops.exl3.gemm` per shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.quantization.base_config import LinearMethodBase
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+from sglang_exl3 import knobs
+from sglang_exl3.codec.signs import unpack_sign_bits
+from sglang_exl3.codec.trellis import reconstruct
+from sglang_exl3.format import Codebook, Exl3ModuleRecord
+from sglang_exl3.kernels.backends import Backend, resolve_backend
+from sglang_exl3.layers.tp_slicing import Exl3Slice, slice_columns, slice_rows
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+_PLACEHOLDER_DTYPES = {"trellis": torch.int16, "suh": torch.float16, "svh": torch.float16, "su": torch.int16,
+                       "sv": torch.int16, "mcg": torch.int32, "mul1": torch.int32}
+
+
+@dataclass
+class Exl3Shard:
+    """One source matrix, ready to run on this rank."""
+
+    key: str
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    codebook: Codebook
+    out_features: int  # logical columns this shard contributes on this rank
+    w_hat: torch.Tensor | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.trellis.shape[0] * 16
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where shard `shard_id` of a layer comes from and which part of it this rank keeps."""
+
+    shard_id: object
+    record: Exl3ModuleRecord
+    columns: Exl3Slice | None  # None: keep all columns (row-parallel / replicated)
+    rows: Exl3Slice | None  # None: keep all rows
+    out_features: int
+
+
+def plan_shards(layer: torch.nn.Module, records: dict[object, Exl3ModuleRecord], prefix: str) -> list[ShardPlan]:
+    """Per-rank slices for every source matrix of `layer` (SGLang's layer topology)."""
+    plans = []
+    if isinstance(layer, ParallelLMHead):
+        (record,) = records.values()
+        size, tp = layer.num_embeddings_per_partition, layer.tp_size
+        cut = Exl3Slice(layer.shard_indices.org_vocab_start_index if tp > 1 else 0, size,
+                        layer.num_embeddings_padded)
+        return [ShardPlan(None, record, cut, None, size)]
+    tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+    if isinstance(layer, ReplicatedLinear) or tp_size == 1:
+        tp_rank, tp_size = 0, 1
+    if isinstance(layer, RowParallelLinear):
+        (record,) = records.values()
+        size = layer.input_size_per_partition
+        rows = Exl3Slice(tp_rank * size, size, layer.input_size) if tp_size > 1 else None
+        return [ShardPlan(None, record, None, rows, layer.output_size)]
+    if isinstance(layer, QKVParallelLinear):
+        sizes = {"q": layer.num_heads * layer.head_size, "k": layer.num_kv_heads * layer.head_size,
+                 "v": layer.num_kv_heads * layer.v_head_size}
+        totals = {"q": layer.total_num_heads * layer.head_size,
+                  "k": layer.total_num_kv_heads * layer.head_size,
+                  "v": layer.total_num_kv_heads * layer.v_head_size}
+        for sid in ("q", "k", "v"):
+            source_rank = tp_rank if sid == "q" else tp_rank // layer.num_kv_head_replicas
+            cut = Exl3Slice(source_rank * sizes[sid], sizes[sid], totals[sid])
+            plans.append(ShardPlan(sid, records[sid], cut, None, sizes[sid]))
+        return plans
+    if isinstance(layer, MergedColumnParallelLinear):
+        for sid, total in enumerate(layer.output_sizes):
+            size = total // tp_size
+            plans.append(ShardPlan(sid, records[sid], Exl3Slice(tp_rank * size, size, total), None, size))
+        return plans
+    if isinstance(layer, LinearBase):  # plain column-parallel or replicated
+        (record,) = records.values()
+        size = layer.output_partition_sizes[0] if hasattr(layer, "output_partition_sizes") else layer.output_size
+        return [ShardPlan(None, record, Exl3Slice(tp_rank * size, size, layer.output_size), None, size)]
+    raise TypeError(f"EXL3 cannot quantize {type(layer).__name__} at {prefix}")
+
+
+class Exl3LinearMethod(LinearMethodBase):
+    """Linear method for EXL3 modules; `records` maps shard id (None, "q"/"k"/"v", 0/1) to the
+    checkpoint record of that source matrix."""
+
+    def __init__(self, records: dict[object, Exl3ModuleRecord], prefix: str):
+        self.records = records
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        if isinstance(layer, ParallelLMHead) and layer.num_added_embeddings > 0:
+            raise ValueError(
+                f"EXL3 lm_head with added vocabulary is unsupported ({layer.num_added_embeddings} added "
+                "tokens): tensor-parallel slicing would silently misalign. Strip --lora-extra-vocab-size / "
+                "added tokens, or keep lm_head unquantized (exllamav3 -hb 16)")
+        layer.exl3_plans = plan_shards(layer, self.records, self.prefix)
+        layer.exl3_loaded = {plan.shard_id: {} for plan in layer.exl3_plans}
+        for suffix in SUFFIXES:
+            param = torch.nn.Parameter(torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix]), requires_grad=False)
+            param.exl3_suffix = suffix
+            param.weight_loader = self._make_loader(layer)
+            layer.register_parameter(suffix, param)
+
+    def _make_loader(self, layer: torch.nn.Module):
+        def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None, *args, **kwargs) -> None:
+            if shard_id not in layer.exl3_loaded:
+                raise ValueError(f"EXL3 {self.prefix}: unexpected shard {shard_id!r} for .{param.exl3_suffix} "
+                                 f"(expected {list(layer.exl3_loaded)})")
+            layer.exl3_loaded[shard_id][param.exl3_suffix] = loaded
+        return load
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        device = layer.trellis.device
+        backend = resolve_backend(device)
+        shards = [self._build_shard(layer, plan, device) for plan in layer.exl3_plans]
+        if backend == Backend.TORCH:
+            for shard in shards:  # decoded once; the forward is then two rotations and a matmul
+                shard.w_hat = reconstruct(shard.trellis, shard.codebook)
+        layer.exl3_shards = shards
+        layer.exl3_backend = int(backend)
+        layer.exl3_in_features = shards[0].in_features
+        del layer.exl3_loaded
+        for suffix in SUFFIXES:  # free the placeholders' loaded views
+            getattr(layer, suffix).data = torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix], device=device)
+        if knobs.get("LOG_PATH_SELECTION"):
+            logger.info("EXL3 path %s -> %s (%s)", self.prefix, Backend(backend).name.lower(),
+                        ", ".join(f"{s.key}: {s.codebook.label}" for s in shards))
+
+    def _build_shard(self, layer: torch.nn.Module, plan: ShardPlan, device: torch.device) -> Exl3Shard:
+        record, name = plan.record, plan.record.key
+        got = layer.exl3_loaded[plan.shard_id]
+        missing = [s for s in ("trellis",) if s not in got]
+        if "suh" not in got and "su" not in got:
+            missing.append("suh")
+        if "svh" not in got and "sv" not in got:
+            missing.append("svh")
+        if record.codebook.marker and record.codebook.marker not in got:
+            missing.append(record.codebook.marker)
+        unexpected = [m for m in ("mcg", "mul1") if m in got and m != record.codebook.marker]
+        if missing or unexpected:
+            raise ValueError(f"Missing or inconsistent EXL3 tensors for {name} (layer {self.prefix}): "
+                             f"missing {missing}, unexpected {unexpected}; the checkpoint's records say "
+                             f"codebook {record.codebook.label}. Re-download the checkpoint or check the "
+                             "model's weight-name mapping")
+        trellis = got["trellis"]
+        if tuple(trellis.shape) != (record.in_features // 16, record.out_features // 16, int(record.bits * 16)):
+            raise ValueError(f"EXL3 {name}: trellis shape {tuple(trellis.shape)} disagrees with the checkpoint "
+                             f"record ({record.in_features}x{record.out_features}, {record.bits} bits)")
+        suh = got["suh"] if "suh" in got else unpack_sign_bits(got["su"])
+        svh = got["svh"] if "svh" in got else unpack_sign_bits(got["sv"])
+        if plan.rows is not None:
+            trellis, suh = slice_rows(trellis, suh, plan.rows, name)
+        if plan.columns is not None:
+            trellis, svh = slice_columns(trellis, svh, plan.columns, name)
+        return Exl3Shard(
+            key=name,
+            trellis=trellis.to(device=device, dtype=torch.int16).contiguous(),
+            suh=suh.to(device=device, dtype=torch.float16).contiguous(),
+            svh=svh.to(device=device, dtype=torch.float16).contiguous(),
+            codebook=record.codebook,
+            out_features=plan.out_features,
+        )
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, width = x.shape[:-1], x.shape[-1]
+        x16 = x.reshape(-1, width).to(torch.float16)
+        packed_in = layer.exl3_in_features
+        if width < packed_in:
+            x16 = torch.nn.functional.pad(x16, (0, packed_in - width))
+        elif width > packed_in:
+            raise ValueError(f"EXL3 {self.prefix}: input width {width} exceeds packed K {packed_in}")
+        x16 = x16.contiguous()
+        outs = []
+        for s in layer.exl3_shards:
+            y = torch.ops.exl3.gemm(x16, s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), layer.exl3_backend)
+            n = y.shape[-1]
+            if n > s.out_features:
+                y = y[:, : s.out_features]
+            elif n < s.out_features:  # lm_head partition wider than the packed vocab
+                y = torch.nn.functional.pad(y, (0, s.out_features - n))
+            outs.append(y)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if bias is not None:
+            y = y.float() + bias.float()
+        return y.to(x.dtype).reshape(*lead, y.shape[-1])

@@ -1,0 +1,176 @@
+"""EXL3 inside SGLang's real model classes and linear layers, on CPU (torch backend).
+
+Each EXL3 layer built by SGLang (fused qkv/gate_up, row-parallel o/down, quantized lm_head) must
+compute what the reference codec computes for its source matrices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DATA, DENSE_CKPTS
+from sglang_cpu import exl3_config, load_model, process, sglang_runtime
+from sglang_exl3.codec import exl3_linear_reference
+from sglang_exl3.format import load_checkpoint
+from sglang_exl3.layers.tp_slicing import Exl3SliceError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime(str(DENSE_CKPTS[0]))
+
+
+def _reference(ckpt, key, x, out_features):
+    t = ckpt.load_module(key)
+    return exl3_linear_reference(x, t["trellis"], t["suh"], t["svh"], ckpt.modules[key].codebook,
+                                 out_features=out_features)
+
+
+@pytest.mark.parametrize("path", DENSE_CKPTS, ids=lambda p: p.name)
+def test_model_layers_match_reference_codec(path):
+    model, cfg = load_model(path)
+    ckpt = load_checkpoint(path)
+    gen = torch.Generator().manual_seed(0)
+    checked = set()
+    layers = {name: m for name, m in model.named_modules() if hasattr(m, "exl3_shards")}
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(layers)
+    for name, layer in layers.items():
+        width = layer.input_size if hasattr(layer, "input_size") else layer.embedding_dim
+        x = torch.randn(5, width, generator=gen).to(torch.bfloat16)
+        y = layer.quant_method.apply(layer, x)
+        expected = torch.cat([_reference(ckpt, s.key, x, s.out_features) for s in layer.exl3_shards], dim=-1)
+        assert y.dtype == torch.bfloat16 and y.shape == expected.shape
+        assert torch.allclose(y.float(), expected.float(), rtol=1e-2, atol=1e-3), name
+        checked |= {s.key for s in layer.exl3_shards}
+    assert checked == set(ckpt.modules)  # every EXL3 matrix of the checkpoint is served
+    assert type(model.model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+
+
+def test_model_config_autodetects_exl3():
+    from sglang.srt.configs.model_config import ModelConfig
+
+    path = str(DENSE_CKPTS[0])
+    assert ModelConfig(path).quantization == "exl3"
+    assert ModelConfig(path, quantization="exl3").quantization == "exl3"
+    with pytest.raises(ValueError, match="does not match"):
+        ModelConfig(path, quantization="gptq")
+
+
+def test_bf16_draft_passthrough_config():
+    from sglang.srt.layers.linear import RowParallelLinear
+
+    from sglang_exl3.layers import Exl3Config
+
+    cfg = Exl3Config()
+    layer = RowParallelLinear(256, 256, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj")
+    assert type(layer.quant_method).__name__ == "UnquantizedLinearMethod"
+
+
+def _tp_ckpt(tmp_path, **dims):
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+    return write_exl3_checkpoint(tmp_path / "c", "llama", dims=ModelDims(num_hidden_layers=1, **dims),
+                                 bits=3, codebook="mcg", with_tokenizer=False)
+
+
+def _load_layer(make, cfg, ckpt, sources, tp_rank, tp_size):
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_size=tp_size, tp_rank=tp_rank):
+        layer = make(cfg)
+    for shard_id, key in sources:
+        for suffix, info in ckpt.modules[key].tensors.items():
+            param = getattr(layer, suffix)
+            tensor = ckpt.load_tensor(info.name)
+            param.weight_loader(param, tensor, shard_id) if shard_id is not None else param.weight_loader(param, tensor)
+    process(layer)
+    return layer
+
+
+def test_tp2_column_row_merged_and_qkv_replication(tmp_path):
+    from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    path = _tp_ckpt(tmp_path, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    _, cfg = exl3_config(path)
+    ckpt = load_checkpoint(path)
+    p = "model.layers.0"
+    x = torch.randn(3, 256, dtype=torch.float16)
+    # QKV: 2 q heads of 128 split, the single KV head replicated on both ranks
+    qkv = [_load_layer(lambda c, r=r: QKVParallelLinear(256, 128, 2, 1, bias=False, quant_config=c, prefix=f"{p}.self_attn.qkv_proj", tp_rank=r, tp_size=2),  # noqa: E501
+                       cfg, ckpt, [(s, f"{p}.self_attn.{s}_proj") for s in "qkv"], r, 2) for r in range(2)]
+    outs = [layer.quant_method.apply(layer, x) for layer in qkv]
+    q = _reference(ckpt, f"{p}.self_attn.q_proj", x, None)
+    k = _reference(ckpt, f"{p}.self_attn.k_proj", x, None)
+    v = _reference(ckpt, f"{p}.self_attn.v_proj", x, None)
+    for r, out in enumerate(outs):
+        assert qkv[r].num_kv_head_replicas == 2
+        assert torch.equal(out, torch.cat([q[:, r * 128:(r + 1) * 128], k, v], dim=-1))
+    # gate_up: intermediate 512 split in 256-wide halves per source
+    gu = [_load_layer(lambda c, r=r: MergedColumnParallelLinear(256, [512, 512], bias=False, quant_config=c, prefix=f"{p}.mlp.gate_up_proj", tp_rank=r, tp_size=2),  # noqa: E501
+                      cfg, ckpt, [(0, f"{p}.mlp.gate_proj"), (1, f"{p}.mlp.up_proj")], r, 2) for r in range(2)]
+    gate = _reference(ckpt, f"{p}.mlp.gate_proj", x, None)
+    up = _reference(ckpt, f"{p}.mlp.up_proj", x, None)
+    for r, layer in enumerate(gu):
+        want = torch.cat([gate[:, r * 256:(r + 1) * 256], up[:, r * 256:(r + 1) * 256]], dim=-1)
+        assert torch.equal(layer.quant_method.apply(layer, x), want)
+    # down: rows split; the partial outputs sum to the full product
+    xd = torch.randn(3, 512, dtype=torch.float16)
+    down = [_load_layer(lambda c, r=r: RowParallelLinear(512, 256, bias=False, quant_config=c, prefix=f"{p}.mlp.down_proj", tp_rank=r, tp_size=2, reduce_results=False),  # noqa: E501
+                        cfg, ckpt, [(None, f"{p}.mlp.down_proj")], r, 2) for r in range(2)]
+    partial = sum(layer.quant_method.apply(layer, xd[:, r * 256:(r + 1) * 256]).float() for r, layer in enumerate(down))
+    want = _reference(ckpt, f"{p}.mlp.down_proj", xd, None).float()
+    assert ((partial - want).norm() / want.norm()) < 2e-3
+
+
+def test_tp_slice_must_be_128_aligned(tmp_path):
+    from sglang.srt.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    path = _tp_ckpt(tmp_path)  # 4 heads of 64, 2 KV heads: at tp=2 each rank holds 64 k/v columns
+    _, cfg = exl3_config(path)
+    ckpt = load_checkpoint(path)
+    p = "model.layers.0.self_attn"
+    with pytest.raises(Exl3SliceError, match=r"k_proj: output slice \[64, 128\) of 128 is not 128-aligned"):
+        _load_layer(lambda c: QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=c, prefix=f"{p}.qkv_proj",
+                                                tp_rank=1, tp_size=2),
+                    cfg, ckpt, [(s, f"{p}.{s}_proj") for s in "qkv"], 1, 2)
+    with pytest.raises(Exl3SliceError, match=r"o_proj: input slice \[64, 128\) of 256 is not 128-aligned"):
+        _load_layer(lambda c: RowParallelLinear(256, 256, bias=False, quant_config=c, prefix=f"{p}.o_proj",
+                                                tp_rank=1, tp_size=4, reduce_results=False),
+                    cfg, ckpt, [(None, f"{p}.o_proj")], 1, 4)
+
+
+def test_missing_marker_is_a_load_time_error(tmp_path):
+    from sglang.srt.layers.linear import RowParallelLinear
+
+    path = _tp_ckpt(tmp_path)
+    _, cfg = exl3_config(path)
+    ckpt = load_checkpoint(path)
+    key = "model.layers.0.mlp.down_proj"
+    layer = RowParallelLinear(512, 256, bias=False, quant_config=cfg, prefix=key, reduce_results=False)
+    for suffix in ("trellis", "suh", "svh"):  # the .mcg marker never arrives
+        layer.__getattr__(suffix).weight_loader(getattr(layer, suffix), ckpt.load_tensor(f"{key}.{suffix}"))
+    with pytest.raises(ValueError, match=r"Missing or inconsistent EXL3 tensors for model.layers.0.mlp.down_proj.*"
+                                         r"missing \['mcg'\]"):
+        process(layer)
+
+
+def test_mixed_packed_sources_are_rejected(tmp_path):
+    from sglang.srt.layers.linear import MergedColumnParallelLinear
+
+    path = _tp_ckpt(tmp_path)
+    _, cfg = exl3_config(path)
+    del cfg.checkpoint.modules["model.layers.0.mlp.up_proj"]
+    with pytest.raises(ValueError, match="mixes EXL3 and unquantized source shards"):
+        MergedColumnParallelLinear(256, [512, 512], bias=False, quant_config=cfg,
+                                   prefix="model.layers.0.mlp.gate_up_proj")
+
+
+def test_bad_knob_fails_model_load(monkeypatch):
+    from sglang_exl3.knobs import KnobError
+
+    monkeypatch.setenv("SGLANG_EXL3_BACKEND", "cuda-magic")
+    with pytest.raises(KnobError, match="SGLANG_EXL3_BACKEND must be one of auto, triton, exllamav3, torch"):
+        exl3_config(DATA / "exllamav3" / DENSE_CKPTS[0].name)
