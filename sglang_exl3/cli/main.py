@@ -45,6 +45,12 @@ def _write_fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from sglang_exl3.integration.demo import run_demo
+
+    return run_demo(port=args.port, workdir=args.workdir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_exl3", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_write_fixture)
+    m = sub.add_parser("demo", help="serve a small EXL3 model with SGLang and chat with it (needs a GPU)")
+    m.add_argument("--port", type=int, default=30117)
+    m.add_argument("--workdir", default=None, help="where to write the checkpoint and the server log")
+    m.set_defaults(func=_demo)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import os
 import sys
 from functools import cache
@@ -61,7 +62,10 @@ def resolve_backend(device: torch.device) -> Backend:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=exllamav3 needs a CUDA device")
         load_exllamav3_ext()
         return Backend.EXLLAMAV3
-    if cuda:  # auto
+    # auto: exllamav3 only when its extension is already built (SGLANG_EXL3_EXT_PATH or a prebuilt
+    # exllamav3_ext module); importing exllamav3 otherwise starts a JIT build of several minutes,
+    # which a serving process must never do implicitly.
+    if cuda and (knobs.get("EXT_PATH") or importlib.util.find_spec("exllamav3_ext") is not None):
         try:
             load_exllamav3_ext()
             return Backend.EXLLAMAV3
