@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -47,13 +45,17 @@ def sglang_runtime(model_path: str) -> None:
 
 
 def exl3_config(path: Path):
+    """What SGLang's get_quant_config builds: config.json's quantization_config, the hf_config and the
+    model class's own packed_modules_mapping (often none)."""
+    from sglang.srt.models.registry import ModelRegistry
     from transformers import AutoConfig
 
     from sglang_exl3.layers import Exl3Config
 
     hf = AutoConfig.from_pretrained(path)
+    model_cls, _ = ModelRegistry.resolve_model_cls(hf.architectures)
     qc = dict(hf.quantization_config)
-    qc.update(hf_config=hf, packed_modules_mapping=PACKED)
+    qc.update(hf_config=hf, packed_modules_mapping=dict(getattr(model_cls, "packed_modules_mapping", {})))
     return hf, Exl3Config.from_config(qc)
 
 

@@ -79,6 +79,8 @@ def _tp_ckpt(tmp_path, **dims):
 def _load_layer(make, cfg, ckpt, sources, tp_rank, tp_size):
     from sglang.srt.runtime_context import get_parallel
 
+    cfg._checked_claims = True  # a lone layer, not a whole model: the rest is unclaimed on purpose
+
     with get_parallel().override(tp_size=tp_size, tp_rank=tp_rank):
         layer = make(cfg)
     for shard_id, key in sources:
@@ -149,6 +151,7 @@ def test_missing_marker_is_a_load_time_error(tmp_path):
     _, cfg = exl3_config(path)
     ckpt = load_checkpoint(path)
     key = "model.layers.0.mlp.down_proj"
+    cfg._checked_claims = True  # a lone layer, not a whole model
     layer = RowParallelLinear(512, 256, bias=False, quant_config=cfg, prefix=key, reduce_results=False)
     for suffix in ("trellis", "suh", "svh"):  # the .mcg marker never arrives
         layer.__getattr__(suffix).weight_loader(getattr(layer, suffix), ckpt.load_tensor(f"{key}.{suffix}"))
@@ -174,3 +177,18 @@ def test_bad_knob_fails_model_load(monkeypatch):
     monkeypatch.setenv("SGLANG_EXL3_BACKEND", "cuda-magic")
     with pytest.raises(KnobError, match="SGLANG_EXL3_BACKEND must be one of auto, triton, exllamav3, torch"):
         exl3_config(DATA / "exllamav3" / DENSE_CKPTS[0].name)
+
+
+def test_unclaimed_exl3_module_is_a_load_time_error(tmp_path):
+    """An EXL3 matrix no SGLang layer loads would be silently skipped by SGLang's loaders."""
+    from sglang.srt.layers.linear import RowParallelLinear
+
+    path = _tp_ckpt(tmp_path)
+    _, cfg = exl3_config(path)
+    ckpt = load_checkpoint(path)
+    key = "model.layers.0.mlp.down_proj"
+    layer = RowParallelLinear(512, 256, bias=False, quant_config=cfg, prefix=key, reduce_results=False)
+    for suffix in ("trellis", "suh", "svh", "mcg"):
+        getattr(layer, suffix).weight_loader(getattr(layer, suffix), ckpt.load_tensor(f"{key}.{suffix}"))
+    with pytest.raises(ValueError, match=r"EXL3 module\(s\) of .* have no EXL3 layer in the SGLang model"):
+        process(layer)  # only down_proj was built: q/k/v/o/gate/up of layer 0 are unclaimed

@@ -27,6 +27,11 @@ from sglang_exl3.layers.linear import Exl3LinearMethod
 logger = logging.getLogger(__name__)
 
 _QKV_IDS = ("q", "k", "v")
+# Fused SGLang layers and their checkpoint sources. Many SGLang model classes (llama, qwen3, ...)
+# declare no packed_modules_mapping, so these standard ones are always known; a model's own
+# mapping is added on top.
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+_LAYER_ID = re.compile(r"\.layers\.(\d+)\.")
 
 
 def _candidates(key: str) -> list[str]:
@@ -47,6 +52,9 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.checkpoint = checkpoint
         self.summary = summary or {}
+        self.packed_modules_mapping = dict(DEFAULT_PACKED_MODULES)
+        self.claimed: set[str] = set()  # checkpoint modules some SGLang layer will load
+        self._checked_claims = False
 
     def __repr__(self) -> str:
         where = self.checkpoint.path if self.checkpoint else "pass-through (unquantized)"
@@ -81,9 +89,30 @@ class Exl3Config(QuantizationConfig):
         logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s", path, len(ckpt.modules),
                     sorted({m.codebook.label for m in ckpt.modules.values()}))
         out = cls(ckpt, summary)
-        if config.get("packed_modules_mapping"):
-            out.packed_modules_mapping = dict(config["packed_modules_mapping"])
+        out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         return out
+
+    def update_packed_modules_mapping(self, mapping: dict) -> None:
+        self.packed_modules_mapping = {**DEFAULT_PACKED_MODULES, **mapping}
+
+    def check_all_claimed(self) -> None:
+        """Once the model is built: every EXL3 module of the checkpoint must belong to an EXL3 layer.
+
+        SGLang's weight loaders skip names they do not know, so an EXL3 matrix whose SGLang layer
+        was built unquantized (a name mismatch) would vanish silently and leave garbage weights.
+        Layers outside the built range (pipeline parallelism) are not required.
+        """
+        if self._checked_claims or self.checkpoint is None:
+            return
+        self._checked_claims = True
+        built = {m.group(1) for k in self.claimed if (m := _LAYER_ID.search(k))}
+        lost = sorted(k for k in self.checkpoint.modules if k not in self.claimed
+                      and ((m := _LAYER_ID.search(k)) is None or m.group(1) in built))
+        if lost:
+            raise ValueError(f"{len(lost)} EXL3 module(s) of {self.checkpoint.path} have no EXL3 layer in the SGLang "
+                             f"model, so their weights would be dropped: {lost[:8]}{' ...' if len(lost) > 8 else ''}. "
+                             "The model's layer names differ from the checkpoint's; add the fused layer to the "
+                             "model's packed_modules_mapping")
 
     def get_scaled_act_names(self) -> list[str]:
         return []
@@ -109,7 +138,10 @@ class Exl3Config(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, ParallelLMHead):
             record = self.record_for(prefix or "lm_head")
-            return Exl3LinearMethod({None: record}, prefix or "lm_head") if record else None
+            if record is None:
+                return None
+            self.claimed.add(record.key)
+            return Exl3LinearMethod({None: record}, prefix or "lm_head", self)
         if isinstance(layer, VocabParallelEmbedding):
             return None  # embeddings stay unquantized in EXL3 checkpoints
         if isinstance(layer, LinearBase):
@@ -121,7 +153,8 @@ class Exl3Config(QuantizationConfig):
                 missing = [sid for sid, r in records.items() if r is None]
                 raise ValueError(f"Packed EXL3 projection {prefix} mixes EXL3 and unquantized source shards "
                                  f"(not EXL3: {missing}); a fused module must use one quantization scheme")
-            return Exl3LinearMethod(found, prefix)
+            self.claimed |= {r.key for r in found.values()}
+            return Exl3LinearMethod(found, prefix, self)
         if self.checkpoint is not None and _is_moe(layer) and self._has_exl3_experts(prefix):
             raise NotImplementedError(
                 f"EXL3 mixture-of-experts layers ({prefix}) are not supported yet by sglang-exl3; "

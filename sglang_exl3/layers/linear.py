@@ -111,9 +111,10 @@ class Exl3LinearMethod(LinearMethodBase):
     """Linear method for EXL3 modules; `records` maps shard id (None, "q"/"k"/"v", 0/1) to the
     checkpoint record of that source matrix."""
 
-    def __init__(self, records: dict[object, Exl3ModuleRecord], prefix: str):
+    def __init__(self, records: dict[object, Exl3ModuleRecord], prefix: str, config=None):
         self.records = records
         self.prefix = prefix
+        self.config = config
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -140,6 +141,8 @@ class Exl3LinearMethod(LinearMethodBase):
         return load
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.config is not None:
+            self.config.check_all_claimed()
         device = layer.trellis.device
         backend = resolve_backend(device)
         shards = [self._build_shard(layer, plan, device) for plan in layer.exl3_plans]
