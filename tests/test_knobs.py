@@ -1,0 +1,54 @@
+"""SGLANG_EXL3_* knobs: blank = unset, bad values name the variable, unknown names are rejected."""
+
+import pytest
+
+from sglang_exl3 import knobs
+from sglang_exl3.knobs import KnobError
+
+
+def test_defaults_and_blank_means_unset():
+    values = knobs.validate_all({"SGLANG_EXL3_BACKEND": "  ", "SGLANG_EXL3_TRELLIS_MAX_M": ""})
+    assert values["BACKEND"] == "auto" and values["TRELLIS_MAX_M"] == 32 and values["TRELLIS_MIN_M"] == 1
+    assert values["PREFILL_TRELLIS"] is True and values["PREFILL_BLOCK_M"] == 64 and values["EXT_PATH"] is None
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SGLANG_EXL3_BACKEND": "cuda"}, "SGLANG_EXL3_BACKEND must be one of auto, triton, exllamav3, torch"),
+    ({"SGLANG_EXL3_TRELLIS_MAX_M": "lots"},
+     "SGLANG_EXL3_TRELLIS_MAX_M must be a positive integer or unset, got 'lots'"),
+    ({"SGLANG_EXL3_TRELLIS_BLOCK_M": "0"}, "SGLANG_EXL3_TRELLIS_BLOCK_M must be positive, got 0"),
+    ({"SGLANG_EXL3_PREFILL_BLOCK_M": "24"}, "SGLANG_EXL3_PREFILL_BLOCK_M must be one of 8, 16, 32, 48, 64, got 24"),
+    ({"SGLANG_EXL3_PREFILL_TRELLIS": "yes"}, "SGLANG_EXL3_PREFILL_TRELLIS must be 0 or 1 or unset"),
+    ({"SGLANG_EXL3_EXT_PATH": "/nonexistent/ext.so"}, "SGLANG_EXL3_EXT_PATH points to '/nonexistent/ext.so'"),
+    ({"SGLANG_EXL3_TRELLIS_MIN_M": "8", "SGLANG_EXL3_TRELLIS_MAX_M": "4"},
+     "SGLANG_EXL3_TRELLIS_MIN_M (8) exceeds SGLANG_EXL3_TRELLIS_MAX_M (4)"),
+    ({"SGLANG_EXL3_BACKNED": "torch"}, "unknown variable(s) SGLANG_EXL3_BACKNED"),
+])
+def test_bad_values_name_the_variable(env, message):
+    with pytest.raises(KnobError) as info:
+        knobs.validate_all(env)
+    assert message in str(info.value)
+
+
+def test_every_knob_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for knob in knobs.KNOBS.values():
+        assert f"`{knob.env}`" in readme
+        if knob.vllm_name:
+            assert f"`{knob.vllm_name}`" in readme
+
+
+def test_backend_resolution_on_cpu(monkeypatch):
+    import torch
+
+    from sglang_exl3.kernels.backends import Backend, BackendUnavailable, resolve_backend
+
+    assert resolve_backend(torch.device("cpu")) == Backend.TORCH
+    monkeypatch.setenv("SGLANG_EXL3_BACKEND", "exllamav3")
+    with pytest.raises(BackendUnavailable, match="needs a CUDA device"):
+        resolve_backend(torch.device("cpu"))
+    monkeypatch.setenv("SGLANG_EXL3_BACKEND", "triton")
+    with pytest.raises(BackendUnavailable, match="not built yet"):
+        resolve_backend(torch.device("cpu"))
