@@ -36,12 +36,23 @@ def _exllamav3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, s
     return out
 
 
+def _triton_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                 codebook: int) -> torch.Tensor:
+    from sglang_exl3.kernels.triton_trellis import triton_gemm_rotated
+
+    xh = had_r_128(x, pre_scale=suh)
+    acc = triton_gemm_rotated(xh, trellis, Codebook(codebook))
+    return had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
+
+
 @torch.library.custom_op("exl3::gemm", mutates_args=())
 def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
               w_hat: torch.Tensor | None, codebook: int, backend: int) -> torch.Tensor:
     """x: fp16 [m, K] contiguous; trellis int16 [K/16, N/16, 16*bits]; suh fp16 [K]; svh fp16 [N]."""
     if backend == Backend.EXLLAMAV3:
         return _exllamav3_gemm(x, trellis, suh, svh, codebook)
+    if backend == Backend.TRITON:
+        return _triton_gemm(x, trellis, suh, svh, codebook)
     return _torch_gemm(x, trellis, suh, svh, w_hat, codebook)
 
 

@@ -1,0 +1,130 @@
+"""Triton trellis kernels: bit-exact EXL3 decode and a fused decode+GEMM for small m.
+
+Decode per weight (all 32-bit integer ops): the tile's stream is its int16 words with each pair
+swapped; position t reads the 16-bit window ending at floor((t+1)*K2/2) modulo the ring, i.e. two
+stream words and a shift; the codebook is an integer multiply plus either a masked fp16 pair sum
+(3INST/MCG) or a byte sum (MUL1), exact as described in codec/codebook.py. Position -> (row, col)
+inside the 16x16 tile is the mma B-fragment bit permutation, inverted here: for element (r, c),
+p = (c%8)<<5 | ((r%8)//2)<<3 | (c//8)<<2 | (r//8)<<1 | (r%2).
+
+Status: correctness verified against the reference codec in Triton's interpreter on CPU
+(tests/test_triton_trellis.py); speed on the H200 not measured yet (issue: Hopper kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_exl3.format.constants import Codebook
+
+
+@triton.jit
+def _decode_block(trellis_ptr, k_tile0, n0, nt, WORDS: tl.constexpr, CB: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp16 [BLOCK_K, BLOCK_N] block of W_hat starting at row 16*k_tile0, column n0."""
+    r = tl.arange(0, BLOCK_K)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    tk = k_tile0 + r // 16
+    tn = (n0 + c) // 16
+    rr = r % 16
+    cc = (n0 + c) % 16
+    p = ((cc % 8) << 5) | (((rr % 8) // 2) << 3) | ((cc // 8) << 2) | ((rr // 8) << 1) | (rr % 2)
+    K2: tl.constexpr = WORDS // 8
+    RING: tl.constexpr = 16 * WORDS
+    end = ((p + 1) * K2) // 2
+    start = (end - 16 + RING) % RING
+    i0 = start >> 4
+    i1 = (i0 + 1) % WORDS
+    shift = 16 - (start & 15)
+    base = (tk * nt + tn) * WORDS
+    w0 = tl.load(trellis_ptr + base + (i0 ^ 1)).to(tl.int32) & 0xFFFF  # pair swap: stream order
+    w1 = tl.load(trellis_ptr + base + (i1 ^ 1)).to(tl.int32) & 0xFFFF
+    window = ((w0 << 16) | w1).to(tl.uint32)
+    x = (window >> shift.to(tl.uint32)) & 0xFFFF
+    shape: tl.constexpr = [BLOCK_K, BLOCK_N]  # constants as uint32 tensors: products wrap mod 2^32
+    if CB == 2:  # MUL1
+        x = x * tl.full(shape, 0x83DCD12D, tl.uint32)
+        s = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
+        k_inv = 0.00676727294921875  # fp16 0x1EEE
+        k_bias = -10.3828125  # fp16 0xC931
+        val = ((1024 + s).to(tl.float32) * k_inv + k_bias).to(tl.float16)
+    else:
+        if CB == 1:  # MCG
+            x = x * tl.full(shape, 0xCBAC1FED, tl.uint32)
+        else:  # 3INST
+            x = x * tl.full(shape, 89226354, tl.uint32) + tl.full(shape, 64248484, tl.uint32)
+        x = (x & tl.full(shape, 0x8FFF8FFF, tl.uint32)) ^ tl.full(shape, 0x3B603B60, tl.uint32)
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        val = (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
+    return val
+
+
+@triton.jit
+def _reconstruct_kernel(trellis_ptr, out_ptr, K, N, nt, WORDS: tl.constexpr, CB: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k0 = pid_k * BLOCK_K
+    n0 = pid_n * BLOCK_N
+    w = _decode_block(trellis_ptr, k0 // 16, n0, nt, WORDS, CB, BLOCK_K, BLOCK_N)
+    r = k0 + tl.arange(0, BLOCK_K)[:, None]
+    c = n0 + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(out_ptr + r * N + c, w)
+
+
+def triton_reconstruct(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
+    """W_hat fp16 [K, N] (== the reference codec's `reconstruct`, bit for bit)."""
+    kt, nt, words = trellis.shape
+    k, n = kt * 16, nt * 16
+    out = torch.empty(k, n, dtype=torch.float16, device=trellis.device)
+    block_k, block_n = 16, 16 if n % 64 else 64
+    grid = (k // block_k, n // block_n)
+    _reconstruct_kernel[grid](trellis, out, k, n, nt, WORDS=words, CB=int(codebook),
+                              BLOCK_K=block_k, BLOCK_N=block_n)
+    return out
+
+
+@triton.jit
+def _gemm_splitk_kernel(x_ptr, trellis_ptr, acc_ptr, M, K, N, nt, K_TILES_PER_SPLIT: tl.constexpr,
+                        WORDS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc[M, N] (fp32, zeroed) += x[M, K] @ W_hat[K, N] over this program's slice of K."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kt0 = pid_s * K_TILES_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, K_TILES_PER_SPLIT, BLOCK_K // 16):  # splits divide the K tiles exactly
+        kt = kt0 + i
+        kk = kt * 16 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + m[:, None] * K + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = _decode_block(trellis_ptr, kt, n0, nt, WORDS, CB, BLOCK_K, BLOCK_N)
+        acc += tl.dot(a, w)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    tl.atomic_add(acc_ptr + m[:, None] * N + cols[None, :], acc, mask=m[:, None] < M)
+
+
+def triton_gemm_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: Codebook,
+                        splits: int | None = None) -> torch.Tensor:
+    """fp32 [m, N] = xh (fp16 [m, K], already rotated) @ W_hat, decoding W_hat on the fly (split-K)."""
+    kt, nt, words = trellis.shape
+    k, n = kt * 16, nt * 16
+    m = xh.shape[0]
+    block_m = 16
+    block_k = 16
+    block_n = 64 if n % 64 == 0 else 16
+    n_blocks = n // block_n
+    if splits is None:  # aim for ~2 programs per SM on a 132-SM H200 (to be tuned on the GPU)
+        splits = max(1, min(kt, 264 // max(1, n_blocks)))
+    splits = max(d for d in range(1, min(splits, kt) + 1) if kt % d == 0)  # exact division of K tiles
+    per_split = kt // splits
+    acc = torch.zeros(m, n, dtype=torch.float32, device=xh.device)
+    grid = (n_blocks, splits, -(-m // block_m))
+    _gemm_splitk_kernel[grid](xh, trellis, acc, m, k, n, nt, K_TILES_PER_SPLIT=per_split, WORDS=words, CB=int(codebook),
+                              BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n)
+    return acc
