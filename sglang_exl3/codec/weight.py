@@ -21,7 +21,7 @@ from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.format.constants import Codebook
 
 _C32 = float(torch.tensor(1 / math.sqrt(BLOCK), dtype=torch.float32))  # exllamav3 scales H in fp32
-_ROWS_PER_CHAIN = 2048  # rows of 128 per chain pass: keeps the float64 working set cache-sized
+_ROWS_PER_CHAIN = {"cpu": 2048, "cuda": 1 << 18}  # CPU: cache-sized working set; GPU: few launches
 
 
 def _fma_chain_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,9 @@ def rotate_like_fp32_gemm(x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, BLOCK)
     h = torch.sign(hadamard_128(torch.float64, x.device)) * _C32
     out = torch.empty(flat.shape, dtype=torch.float16, device=x.device)
-    for r0 in range(0, flat.shape[0], _ROWS_PER_CHAIN):
-        rows = slice(r0, r0 + _ROWS_PER_CHAIN)
+    step = _ROWS_PER_CHAIN.get(x.device.type, 2048)
+    for r0 in range(0, flat.shape[0], step):
+        rows = slice(r0, r0 + step)
         out[rows] = _fma_chain_rotate(flat[rows].double(), h).half()
     return out.view(shape)
 

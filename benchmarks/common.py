@@ -1,0 +1,82 @@
+"""Shared helpers for the GPU benchmarks: environment header, copy bandwidth, timing, table output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def header(command: list[str]) -> dict:
+    import triton
+
+    out = {"command": " ".join(command), "python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "gpu": torch.cuda.get_device_name(), "sm_count":
+           torch.cuda.get_device_properties(0).multi_processor_count}
+    try:
+        import sglang
+
+        out["sglang"] = sglang.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def median_us(fn, rotations: int = 1, warmup: int = 10, reps: int = 50) -> float:
+    """Median time of fn(i) in microseconds, i cycling over `rotations` input sets (CUDA events)."""
+    for i in range(warmup):
+        fn(i % rotations)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps):
+        start.record()
+        fn(i % rotations)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def write_results(name: str, head: dict, rows: list[dict], columns: list[str]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    gpu = head["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = RESULTS / f"{name}-{gpu}.json"
+    path.write_text(json.dumps({"header": head, "rows": rows}, indent=1))
+    lines = [f"# {name} on {head['gpu']}", "", f"`{head['command']}` — torch {head['torch']}, "
+             f"triton {head['triton']}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), file=sys.stderr)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,107 @@
+"""End-to-end serving speed: a Llama-3-8B-shaped EXL3 checkpoint (random trellis, written on the GPU
+machine by the fixture writer, 2/3/4 bits) against the same weights dequantized to bf16, both served
+by SGLang with CUDA graphs. Decode tokens/s at batch 1, 8, 64; prefill tokens/s on 2048-token
+prompts; time to ready; GPU memory after load. Writes benchmarks/results/e2e-<gpu>.{json,md}.
+
+  python benchmarks/e2e.py [--bits 2,3,4] [--backend torch|exllamav3|triton] [--workdir /tmp/e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import header, write_results  # noqa: E402
+from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
+
+DECODE_BATCHES = (1, 8, 64)
+DECODE_TOKENS = 128
+PREFILL_LEN = 2048
+PREFILL_BATCH = 8
+
+
+def _weights_mem_gb(log: Path) -> float | None:
+    m = re.search(r"Load weight end\..*?mem usage=([0-9.]+) GB", log.read_text(errors="replace"))
+    return float(m.group(1)) if m else None
+
+
+def measure(base: str) -> dict:
+    out = {}
+    ids = [[(i * 37 + j * 11) % 120000 + 100 for j in range(32)] for i in range(max(DECODE_BATCHES))]
+    post(base + "/generate", {"input_ids": ids[:8], "sampling_params": {"max_new_tokens": 8}})  # warm-up
+    for bs in DECODE_BATCHES:
+        params = {"max_new_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True}
+        t0 = time.time()
+        with concurrent.futures.ThreadPoolExecutor(bs) as pool:
+            list(pool.map(lambda p, sp=params: post(base + "/generate", {"input_ids": p, "sampling_params": sp}),
+                          ids[:bs]))
+        out[f"decode_bs{bs}_tok_s"] = bs * DECODE_TOKENS / (time.time() - t0)
+    prompts = [[(i * 101 + j * 7) % 120000 + 100 for j in range(PREFILL_LEN)] for i in range(PREFILL_BATCH)]
+    t0 = time.time()
+    post(base + "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1}})
+    out["prefill_tok_s"] = PREFILL_BATCH * PREFILL_LEN / (time.time() - t0)
+    return out
+
+
+def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int) -> dict:
+    log = out / f"e2e-server-{label}.log"
+    t0 = time.time()
+    proc = launch(path, port, ["--mem-fraction-static", "0.85", "--cuda-graph-max-bs-decode", "64", *extra],
+                  env=env, log_path=log)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=1200)
+        row = {"model": label, "ready_s": time.time() - t0}
+        row.update(measure(f"http://127.0.0.1:{port}"))
+        row["weights_gb"] = _weights_mem_gb(log)
+        return row
+    finally:
+        stop(proc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", default="2,3,4")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--workdir", default="/tmp/e2e")
+    ap.add_argument("--skip-bf16", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/e2e.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    head = header(sys.argv)
+    head.update(backend=args.backend, decode_tokens=DECODE_TOKENS, prefill_len=PREFILL_LEN,
+                prefill_batch=PREFILL_BATCH, shape="Llama-3-8B (random trellis)")
+    rows, py = [], sys.executable
+    for i, bits in enumerate(int(b) for b in args.bits.split(",")):
+        ckpt = work / f"llama3-8b-exl3-{bits}bpw"
+        if not ckpt.exists():
+            subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--shape", "llama3-8b",
+                            "--bits", str(bits), "--codebook", "mul1", "--seed", str(bits)], check=True)
+        rows.append(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"],
+                                      {"SGLANG_EXL3_BACKEND": args.backend}, work, 32000 + i))
+        print(rows[-1], flush=True)
+        if i == 0 and not args.skip_bf16:
+            dense = work / "llama3-8b-bf16"
+            if not dense.exists():
+                subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
+                                "bfloat16", "--device", "cuda", "--quiet"], check=True)
+            rows.append(serve_and_measure(dense, "bf16 (dequantized 2 bpw twin)", ["--dtype", "bfloat16"], {},
+                                          work, 32100))
+            print(rows[-1], flush=True)
+    cols = ["model", "ready_s", "weights_gb", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES], "prefill_tok_s"]
+    write_results("e2e", head, rows, cols)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
