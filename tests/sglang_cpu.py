@@ -23,7 +23,10 @@ def _free_port() -> int:
 
 
 @cache
-def sglang_runtime(model_path: str) -> None:
+def _runtime() -> None:
+    from conftest import DENSE_CKPTS
+
+    model_path = str(DENSE_CKPTS[0])
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -42,6 +45,11 @@ def sglang_runtime(model_path: str) -> None:
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
     initialize_dp_attention(args, ModelConfig(model_path))
+
+
+def sglang_runtime(model_path: str | None = None) -> None:
+    """Process-wide SGLang setup (once; the model path only seeds the published server args)."""
+    _runtime()
 
 
 def exl3_config(path: Path):

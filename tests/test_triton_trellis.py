@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -12,24 +14,28 @@ import torch
 from sglang_exl3.codec import exl3_linear_reference, had_r_128, reconstruct
 from sglang_exl3.format import Codebook
 
+CHILD = os.environ.get("SGLANG_EXL3_TEST_TRITON_CHILD") == "1"
+RUN_HERE = torch.cuda.is_available() or CHILD
+
+
+def test_in_triton_interpreter():
+    """Without a GPU the kernels run in Triton's interpreter, which must be switched on before triton is
+    first imported: run this module's kernel tests in a fresh interpreter with TRITON_INTERPRET=1."""
+    if RUN_HERE:
+        pytest.skip("kernel tests run directly in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SGLANG_EXL3_TEST_TRITON_CHILD": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"\b31 passed", proc.stdout), proc.stdout[-500:]
+
 
 @pytest.fixture(scope="module")
 def kernels():
-    """Import the kernel module with TRITON_INTERPRET=1 when there is no GPU (decided at decoration)."""
-    interpret = not torch.cuda.is_available()
-    old = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop("sglang_exl3.kernels.triton_trellis", None)
-    try:  # the interpreter flag must stay set while the kernels run
-        yield importlib.import_module("sglang_exl3.kernels.triton_trellis"), ("cuda" if not interpret else "cpu")
-    finally:
-        sys.modules.pop("sglang_exl3.kernels.triton_trellis", None)
-        if interpret:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
+    if not RUN_HERE:
+        pytest.skip("runs in the Triton-interpreter child process (test_in_triton_interpreter)")
+    module = importlib.import_module("sglang_exl3.kernels.triton_trellis")
+    return module, ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 VARIANTS = [(cb, k) for cb in Codebook for k in (1, 2, 3, 4, 5, 6, 7, 8)] + [

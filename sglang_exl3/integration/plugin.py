@@ -29,6 +29,9 @@ def register() -> None:
     quantization.QUANTIZATION_METHODS["exl3"] = Exl3Config
     if "exl3" not in QUANTIZATION_CHOICES:
         add_quantization_method_choices(["exl3"])
+    from sglang_exl3.integration.hooks import register_hooks
+
+    register_hooks()  # applied by load_plugins() right after the plugins run
     try:
         knobs.validate_all()
         KNOB_ERROR = None

@@ -52,6 +52,8 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.checkpoint = checkpoint
         self.summary = summary or {}
+        if checkpoint is None:
+            _activate(self)  # a pass-through (bf16 draft) config: hooks must not inject the target's
         self.packed_modules_mapping = dict(DEFAULT_PACKED_MODULES)
         self.claimed: set[str] = set()  # checkpoint modules some SGLang layer will load
         self._checked_claims = False
@@ -90,6 +92,7 @@ class Exl3Config(QuantizationConfig):
                     sorted({m.codebook.label for m in ckpt.modules.values()}))
         out = cls(ckpt, summary)
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
+        _activate(out)
         return out
 
     def update_packed_modules_mapping(self, mapping: dict) -> None:
@@ -155,16 +158,37 @@ class Exl3Config(QuantizationConfig):
                                  f"(not EXL3: {missing}); a fused module must use one quantization scheme")
             self.claimed |= {r.key for r in found.values()}
             return Exl3LinearMethod(found, prefix, self)
-        if self.checkpoint is not None and _is_moe(layer) and self._has_exl3_experts(prefix):
-            raise NotImplementedError(
-                f"EXL3 mixture-of-experts layers ({prefix}) are not supported yet by sglang-exl3; "
-                "serve the dequantized checkpoint (python -m sglang_exl3 dequantize) meanwhile")
+        if _is_moe(layer):
+            return self._moe_method(layer, prefix)
         return None
 
-    def _has_exl3_experts(self, prefix: str) -> bool:
-        pattern = re.compile(r"\.experts\.\d+\.")
-        return any(pattern.search(k) and any(c in k for c in _candidates(prefix))
-                   for k in self.checkpoint.modules)
+    def _moe_method(self, layer: torch.nn.Module, prefix: str):
+        """Exl3MoEMethod when the layer's experts are EXL3 in the checkpoint, None when none is."""
+        from sglang_exl3.layers.moe import Exl3MoEMethod
+
+        n = getattr(layer, "num_experts", None)
+        if self.checkpoint is None or n is None:
+            return None
+        for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+            records = {(e, role): self.record_for(f"{prefix}.{e}.{name}")
+                       for e in range(n) for role, name in zip(("w1", "w3", "w2"), names, strict=True)}
+            found = {k: r for k, r in records.items() if r is not None}
+            if not found:
+                continue
+            if len(found) != len(records):
+                missing = sorted({f"{e}.{role}" for (e, role), r in records.items() if r is None})[:6]
+                raise ValueError(f"EXL3 MoE {prefix}: some experts are not EXL3 in the checkpoint ({missing} ...); "
+                                 "all routed experts of a layer must use one quantization scheme")
+            self.claimed |= {r.key for r in found.values()}
+            return Exl3MoEMethod(found, prefix, self)
+        return None
+
+
+def _activate(config: Exl3Config) -> None:
+    """Tell the plugin hooks which EXL3 config the model about to be built uses."""
+    from sglang_exl3.integration.hooks import set_active_config
+
+    set_active_config(config)
 
 
 def _is_moe(layer: torch.nn.Module) -> bool:

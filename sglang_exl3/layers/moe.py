@@ -1,0 +1,153 @@
+"""`Exl3MoEMethod`: EXL3 experts inside SGLang's FusedMoE (per-expert checkpoint tensors).
+
+Loading: placeholders `w13_<suffix>` / `w2_<suffix>` catch the stock expert mapping
+(`experts.{e}.gate_proj.` / `up_proj.` -> `experts.w13_`, `down_proj.` -> `experts.w2_`; Mixtral's
+w1/w3/w2 likewise); the loader maps global to local experts (expert parallelism: other ranks'
+experts are dropped) and keeps each expert's matrices apart (own suh/svh/codebook/bits).
+`process_weights_after_loading` validates them against the checkpoint records and slices the
+intermediate dimension for MoE tensor parallelism in 128-element units.
+
+Forward (reference path, until the grouped trellis kernels exist): every local expert runs on all
+rows through `torch.ops.exl3.gemm`, weighted by its routing weight (zero where not selected). No
+host sync and fixed shapes, so it is CUDA-graph capturable; it costs E x the dense FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+from sglang_exl3.codec.signs import unpack_sign_bits
+from sglang_exl3.codec.trellis import reconstruct
+from sglang_exl3.format import Exl3ModuleRecord
+from sglang_exl3.kernels.backends import Backend, resolve_backend
+from sglang_exl3.layers.linear import _PLACEHOLDER_DTYPES, SUFFIXES, Exl3Shard
+from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError, slice_columns, slice_rows
+
+ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
+
+
+class Exl3MoEMethod(FusedMoEMethodBase):
+    def __init__(self, records: dict[tuple[int, str], Exl3ModuleRecord], prefix: str, config=None):
+        self.records = records  # (global expert id, role) -> record
+        self.prefix = prefix
+        self.config = config
+        self.moe_runner_config = None
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra) -> None:
+        if extra.get("with_bias"):
+            raise ValueError(f"EXL3 MoE {self.prefix}: per-expert biases are not supported")
+        inter_pp = intermediate_size_per_partition
+        if getattr(layer, "moe_tp_size", 1) > 1 and inter_pp % 128:
+            raise Exl3SliceError(
+                f"EXL3 MoE {self.prefix}: the expert intermediate size per rank ({inter_pp}) is not a multiple of "
+                f"128 at moe_tp_size={layer.moe_tp_size}; EXL3 slices fall on 128-wide Hadamard blocks. Use expert "
+                "parallelism (--ep-size) so each expert stays whole on one rank")
+        layer.exl3_moe_loaded = {}
+        for group in ("w13", "w2"):
+            for suffix in SUFFIXES:
+                param = torch.nn.Parameter(torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix]), requires_grad=False)
+                param.exl3_suffix = suffix
+                param.weight_loader = self._make_loader(layer)
+                layer.register_parameter(f"{group}_{suffix}", param)
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
+        cfg = moe_runner_config
+        if cfg.apply_router_weight_on_input or not cfg.is_gated or cfg.activation not in ("silu", "gelu"):
+            raise ValueError(f"EXL3 MoE {self.prefix}: only gated silu/gelu experts with weights applied to the "
+                             f"output are supported (got activation={cfg.activation}, gated={cfg.is_gated}, "
+                             f"apply_router_weight_on_input={cfg.apply_router_weight_on_input})")
+        self.moe_runner_config = cfg
+
+    def _make_loader(self, layer: torch.nn.Module):
+        def load(param, loaded, weight_name=None, shard_id=None, expert_id=None, *args, **kwargs) -> None:
+            if shard_id not in ROLES or expert_id is None:
+                raise ValueError(f"EXL3 MoE {self.prefix}: unexpected shard {shard_id!r} / expert {expert_id!r}")
+            if layer._map_global_expert_id_to_local_expert_id(expert_id) < 0:
+                return  # another expert-parallel rank owns it
+            layer.exl3_moe_loaded.setdefault((int(expert_id), shard_id), {})[param.exl3_suffix] = loaded
+        return load
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.config is not None:
+            self.config.check_all_claimed()
+        device = layer.w13_trellis.device
+        backend = resolve_backend(device)
+        local = {}
+        for global_e in sorted({e for e, _ in self.records}):
+            local_e = layer._map_global_expert_id_to_local_expert_id(global_e)
+            if 0 <= local_e < layer.num_local_experts:
+                local[local_e] = global_e
+        if sorted(local) != list(range(layer.num_local_experts)):
+            raise ValueError(f"EXL3 MoE {self.prefix}: the checkpoint holds experts {sorted(local.values())} for "
+                             f"this rank, expected {layer.num_local_experts} local experts")
+        inter_pp, tp_rank = layer.intermediate_size_per_partition, getattr(layer, "moe_tp_rank", 0)
+        total = inter_pp * getattr(layer, "moe_tp_size", 1)
+        cut = Exl3Slice(tp_rank * inter_pp, inter_pp, total)
+        experts = []
+        for local_e in range(layer.num_local_experts):
+            shards = {role: self._build(layer, local[local_e], role, cut, device) for role in ROLES}
+            if backend == Backend.TORCH:
+                for s in shards.values():
+                    s.w_hat = reconstruct(s.trellis, s.codebook)
+            experts.append(shards)
+        layer.exl3_experts = experts
+        layer.exl3_backend = int(backend)
+        del layer.exl3_moe_loaded
+        for group in ("w13", "w2"):
+            for suffix in SUFFIXES:
+                getattr(layer, f"{group}_{suffix}").data = torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix],
+                                                                       device=device)
+
+    def _build(self, layer, global_e: int, role: str, cut: Exl3Slice, device) -> Exl3Shard:
+        record = self.records[(global_e, role)]
+        got = layer.exl3_moe_loaded.get((global_e, role), {})
+        missing = [s for s in ("trellis",) if s not in got]
+        missing += ["suh"] if not {"suh", "su"} & set(got) else []
+        missing += ["svh"] if not {"svh", "sv"} & set(got) else []
+        if record.codebook.marker and record.codebook.marker not in got:
+            missing.append(record.codebook.marker)
+        unexpected = [m for m in ("mcg", "mul1") if m in got and m != record.codebook.marker]
+        if missing or unexpected:
+            raise ValueError(f"Missing or inconsistent EXL3 tensors for {record.key} (layer {self.prefix}): "
+                             f"missing {missing}, unexpected {unexpected}")
+        trellis = got["trellis"]
+        suh = got["suh"] if "suh" in got else unpack_sign_bits(got["su"])
+        svh = got["svh"] if "svh" in got else unpack_sign_bits(got["sv"])
+        if role == "w2":
+            trellis, suh = slice_rows(trellis, suh, cut, record.key)
+            out = layer.hidden_size
+        else:
+            trellis, svh = slice_columns(trellis, svh, cut, record.key)
+            out = cut.size
+        return Exl3Shard(key=record.key, trellis=trellis.to(device).contiguous(),
+                         suh=suh.to(device=device, dtype=torch.float16).contiguous(),
+                         svh=svh.to(device=device, dtype=torch.float16).contiguous(),
+                         codebook=record.codebook, out_features=out)
+
+    @staticmethod
+    def _gemm(x16: torch.Tensor, s: Exl3Shard, backend: int) -> torch.Tensor:
+        if x16.shape[-1] < s.in_features:
+            x16 = torch.nn.functional.pad(x16, (0, s.in_features - x16.shape[-1]))
+        y = torch.ops.exl3.gemm(x16.contiguous(), s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), backend)
+        return y[:, : s.out_features]
+
+    def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
+        x = dispatch_output.hidden_states
+        topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
+        x16 = x.reshape(-1, x.shape[-1]).to(torch.float16)
+        act = torch.nn.functional.silu if self.moe_runner_config.activation == "silu" else \
+            (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+        out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
+        for e, shards in enumerate(layer.exl3_experts):
+            weight = (topk_weights.float() * (topk_ids == e)).sum(-1)  # 0 where expert e is not routed
+            gate = self._gemm(x16, shards["w1"], layer.exl3_backend).float()
+            up = self._gemm(x16, shards["w3"], layer.exl3_backend).float()
+            hidden = (act(gate) * up).to(torch.float16)
+            out += weight[:, None] * self._gemm(hidden, shards["w2"], layer.exl3_backend).float()
+        scale = self.moe_runner_config.routed_scaling_factor
+        if scale is not None:
+            out *= scale
+        return StandardCombineInput(hidden_states=out.to(x.dtype))

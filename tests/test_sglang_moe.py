@@ -1,0 +1,97 @@
+"""EXL3 experts inside SGLang's FusedMoE (real Qwen3-MoE and Mixtral model classes, CPU, torch backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DATA
+from sglang_cpu import exl3_config, load_model, sglang_runtime
+from sglang_exl3.codec import exl3_linear_reference
+from sglang_exl3.format import load_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+MOE_CKPTS = [("tiny-qwen3moe-mul1-4bpw", "mlp", ("gate_proj", "up_proj", "down_proj")),
+             ("tiny-mixtral-mcg-3bpw", "block_sparse_moe", ("w1", "w3", "w2"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime(str(DATA / "exllamav3" / "tiny-llama-mul1-4bpw"))
+
+
+def _expert_ref(ckpt, key, x):
+    t = ckpt.load_module(key)
+    return exl3_linear_reference(x, t["trellis"], t["suh"], t["svh"], ckpt.modules[key].codebook).float()
+
+
+def _dispatch(x, weights, ids):
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    return StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
+                                  topk_output=StandardTopKOutput(weights, ids, torch.zeros(x.shape[0], 4)))
+
+
+@pytest.mark.parametrize("name, block, roles", MOE_CKPTS, ids=[c[0] for c in MOE_CKPTS])
+def test_moe_layers_match_reference(name, block, roles):
+    path = DATA / "exllamav3" / name
+    model, cfg = load_model(path)
+    ckpt = load_checkpoint(path)
+    gen = torch.Generator().manual_seed(1)
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer, block).experts
+        assert type(experts.quant_method).__name__ == "Exl3MoEMethod"
+        x = torch.randn(6, 256, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]).to(torch.int32)
+        weights = torch.rand(6, 2, generator=gen)
+        out = experts.quant_method.apply(experts, _dispatch(x, weights, ids)).hidden_states
+        want = torch.zeros(6, 256)
+        for m in range(6):
+            for k in range(2):
+                e = int(ids[m, k])
+                p = f"model.layers.{i}.{block}.experts.{e}"
+                xm = x[m : m + 1]
+                gate, up = (_expert_ref(ckpt, f"{p}.{r}", xm) for r in roles[:2])
+                h = torch.nn.functional.silu(gate) * up
+                want[m] += weights[m, k] * _expert_ref(ckpt, f"{p}.{roles[2]}", h.half())[0]
+        assert out.shape == (6, 256) and out.dtype == torch.bfloat16
+        assert ((out.float() - want).norm() / want.norm()) < 1e-2, (name, i)
+    assert cfg.claimed == set(ckpt.modules)
+
+
+def test_expert_parallel_rank_keeps_only_its_experts():
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.runtime_context import get_parallel
+
+    path = DATA / "exllamav3" / "tiny-qwen3moe-mul1-4bpw"
+    _, cfg = exl3_config(path)
+    cfg._checked_claims = True  # a lone layer
+    ckpt = load_checkpoint(path)
+    prefix = "model.layers.0.mlp.experts"
+    with get_parallel().override(moe_ep_size=2, moe_ep_rank=1, moe_tp_size=1, moe_tp_rank=0):
+        layer = FusedMoE(num_experts=4, top_k=2, hidden_size=256, intermediate_size=256, layer_id=0,
+                         quant_config=cfg, prefix=prefix)
+        for e in range(4):
+            for role, name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                group = "w13" if role != "w2" else "w2"
+                for suffix, info in ckpt.modules[f"{prefix}.{e}.{name}"].tensors.items():
+                    param = getattr(layer, f"{group}_{suffix}")
+                    param.weight_loader(param, ckpt.load_tensor(info.name), f"{group}_{suffix}",
+                                        shard_id=role, expert_id=e)
+        layer.quant_method.process_weights_after_loading(layer)
+    assert layer.num_local_experts == 2
+    assert [s["w1"].key for s in layer.exl3_experts] == [f"{prefix}.2.gate_proj", f"{prefix}.3.gate_proj"]
+
+
+def test_moe_tp_slice_must_be_128_aligned():
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_exl3.layers.tp_slicing import Exl3SliceError
+
+    _, cfg = exl3_config(DATA / "exllamav3" / "tiny-qwen3moe-mul1-4bpw")
+    with get_parallel().override(moe_ep_size=1, moe_ep_rank=0, moe_tp_size=4, moe_tp_rank=0):
+        with pytest.raises(Exl3SliceError, match=r"intermediate size per rank \(64\).*Use expert parallelism"):
+            FusedMoE(num_experts=4, top_k=2, hidden_size=256, intermediate_size=256, layer_id=0,
+                     quant_config=cfg, prefix="model.layers.0.mlp.experts")
