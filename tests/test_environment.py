@@ -29,3 +29,15 @@ def test_format_layer_does_not_import_codec():
     code = ("import sys, sglang_exl3.format\n"
             "assert not [m for m in sys.modules if m.startswith('sglang_exl3.codec')]")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_plugin_registers_in_a_fresh_process_and_bench_wrapper_accepts_exl3():
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins();"
+            "import sglang.srt.layers.quantization as q; from sglang.srt.server_args import QUANTIZATION_CHOICES;"
+            "assert q.QUANTIZATION_METHODS['exl3'].__name__ == 'Exl3Config'; assert 'exl3' in QUANTIZATION_CHOICES")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "sglang_exl3.integration.bench", "one_batch", "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exl3" in proc.stdout
