@@ -1,0 +1,183 @@
+"""Rank-sliced routed-expert checkpoints (`hybrid_tr3_tail`, format `exl3-trellis`), exactly as the
+reference vLLM implementation defines them: metadata validation, the mixed-bitrate map and the
+tensor-name normalisation (`.rank{r}` slices, shared Hadamard-side rotations).
+
+Format layer: no torch, no SGLang. Every rejection names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
+SHARED_H_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
+REQUIRED = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
+ALLOWED_BITS = (2, 3, 4, 5, 6)
+LAYOUTS = ("per_expert_v1", "shared_h_v1")
+
+RANK_SLICED_WEIGHT_RE = re.compile(r"^(?P<prefix>.+)\.rank(?P<rank>\d+)\.(?P<field>trellis|suh|svh|mcg|mul1)$")
+SHARED_H_WEIGHT_RE = re.compile(r"^(?P<experts_prefix>.+\.experts)\.shared_h\."
+                                r"(?P<projection>gate_proj|up_proj|down_proj)\.rank(?P<rank>\d+)\.(?P<field>suh|svh)$")
+EXPERT_PROJECTION_RE = re.compile(r"^.+\.experts\.\d+\.(?P<projection>gate_proj|up_proj|down_proj)$")
+# The Hadamard-side (hidden-size) rotation of each projection: input side of gate/up, output of down.
+H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+
+
+class RankSlicedError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RankSlicedSpec:
+    bits: int | str  # uniform K, or "mixed"
+    experts_per_layer: int
+    moe_layers: tuple[int, int]  # inclusive
+    tp: int
+    rotation_layout: str = "per_expert_v1"
+    k_values: tuple[int, ...] = ()
+    bits_per_expert: dict[int, tuple[int, ...]] = field(default_factory=dict)  # layer -> K per expert
+
+    def covers(self, layer: int) -> bool:
+        return self.moe_layers[0] <= layer <= self.moe_layers[1]
+
+    def expert_bits(self, layer: int, expert: int) -> int:
+        return self.bits_per_expert[layer][expert] if self.bits == "mixed" else int(self.bits)
+
+
+def claims(config: dict) -> bool:
+    meta = config.get("hybrid_tr3_tail")
+    return isinstance(meta, dict) and meta.get("format") == "exl3-trellis"
+
+
+def override_quantization_method(config: dict, user_quant: str | None) -> str | None:
+    """`exl3` for a rank-sliced checkpoint (even when quant_method names another method), unless the
+    user asked for a different method explicitly."""
+    if claims(config) and user_quant in (None, "exl3"):
+        return "exl3"
+    return None
+
+
+def _safe_json_name(name: str) -> str:
+    if not name or os.path.isabs(name) or "/" in name or "\\" in name or ".." in name:
+        raise RankSlicedError(f"hybrid_tr3_tail.bits_per_expert file name {name!r} must not contain path "
+                              "separators, '..' or be absolute; keep the JSON beside config.json")
+    return name
+
+
+def _load_bits_map(meta: dict, model_dir: Path | None, first: int, last: int, experts: int,
+                   k_values: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    spec = meta.get("bits_per_expert")
+    if not isinstance(spec, str) or ":" not in spec:
+        raise RankSlicedError("hybrid_tr3_tail.bits='mixed' requires bits_per_expert = 'file.json:field'")
+    name, field_name = spec.split(":", 1)
+    name = _safe_json_name(name)
+    if model_dir is None:
+        raise RankSlicedError(f"hybrid_tr3_tail.bits_per_expert needs the checkpoint folder to read {name}")
+    try:
+        data = json.loads((Path(model_dir) / name).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise RankSlicedError(f"cannot read hybrid_tr3_tail.bits_per_expert file {name}: {e}") from e
+    out = {}
+    for layer in range(first, last + 1):
+        entry = data.get(str(layer))
+        if not isinstance(entry, dict):
+            raise RankSlicedError(f"{name}: no entry for MoE layer {layer}")
+        values = entry.get(field_name)
+        if values is None and isinstance(entry.get("tail_tr3"), list) and len(entry["tail_tr3"]) == experts:
+            values = [3] * experts  # an all-K3 overlay (GLM MTP layer)
+        if not isinstance(values, list) or len(values) != experts:
+            raise RankSlicedError(f"{name}: layer {layer} field {field_name!r} must list {experts} bitrates")
+        for k in values:
+            if k not in k_values:
+                raise RankSlicedError(f"{name}: layer {layer} uses K={k}, which k_values {list(k_values)} "
+                                      "does not declare")
+        out[layer] = tuple(int(k) for k in values)
+    return out
+
+
+def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
+    """Validate config.json's `hybrid_tr3_tail` and return the spec (RankSlicedError on any problem)."""
+    meta = config.get("hybrid_tr3_tail")
+    if not isinstance(meta, dict):
+        raise RankSlicedError("config.json has no hybrid_tr3_tail object")
+    missing = [k for k in REQUIRED if k not in meta]
+    if missing:
+        raise RankSlicedError(f"rank-sliced EXL3 metadata is missing: {', '.join(missing)}")
+    if meta["codebook"] != "mcg":
+        raise RankSlicedError(f"rank-sliced EXL3 currently requires the MCG codebook, got {meta['codebook']!r}")
+    layers = meta["moe_layers"]
+    if (not isinstance(layers, list) or len(layers) != 2 or not all(isinstance(x, int) for x in layers)
+            or layers[0] < 0 or layers[1] < layers[0]):
+        raise RankSlicedError("hybrid_tr3_tail.moe_layers must be [first, last] with 0 <= first <= last, "
+                              f"got {layers!r}")
+    if meta["tensor_schema"] != TENSOR_SCHEMA:
+        raise RankSlicedError(f"hybrid_tr3_tail.tensor_schema must be exactly {TENSOR_SCHEMA!r}, "
+                              f"got {meta['tensor_schema']!r}")
+    experts, tp = meta["experts_per_layer"], meta["tp"]
+    if not isinstance(experts, int) or experts <= 0 or not isinstance(tp, int) or tp <= 0:
+        raise RankSlicedError("hybrid_tr3_tail.experts_per_layer and tp must be positive integers")
+    layout = meta.get("rotation_layout", "per_expert_v1")
+    if layout not in LAYOUTS:
+        raise RankSlicedError(f"hybrid_tr3_tail.rotation_layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "shared_h_v1" and meta.get("shared_h_tensor_schema") != SHARED_H_SCHEMA:
+        raise RankSlicedError(f"rotation_layout='shared_h_v1' requires shared_h_tensor_schema == {SHARED_H_SCHEMA!r}")
+    if layout != "shared_h_v1" and "shared_h_tensor_schema" in meta:
+        raise RankSlicedError("hybrid_tr3_tail declares shared_h_tensor_schema without rotation_layout='shared_h_v1'")
+    bits = meta["bits"]
+    k_values: tuple[int, ...] = ()
+    bits_map: dict[int, tuple[int, ...]] = {}
+    if bits == "mixed":
+        raw = meta.get("k_values")
+        if not isinstance(raw, list) or not raw or not all(isinstance(k, int) and k in ALLOWED_BITS for k in raw):
+            raise RankSlicedError(f"hybrid_tr3_tail.bits='mixed' requires k_values: integers within "
+                                  f"{ALLOWED_BITS[0]}..{ALLOWED_BITS[-1]}, got {raw!r}")
+        k_values = tuple(raw)
+        bits_map = _load_bits_map(meta, Path(model_dir) if model_dir else None, layers[0], layers[1], experts,
+                                  k_values)
+    elif isinstance(bits, (int, float)) and not isinstance(bits, bool):
+        if float(bits) != int(bits) or int(bits) not in ALLOWED_BITS:
+            raise RankSlicedError(f"hybrid_tr3_tail.bits must be an integer in {ALLOWED_BITS} or 'mixed', got {bits!r}")
+        bits = int(bits)
+    else:
+        raise RankSlicedError(f"hybrid_tr3_tail.bits must be a number or 'mixed', got {bits!r}")
+    return RankSlicedSpec(bits=bits, experts_per_layer=experts, moe_layers=(layers[0], layers[1]), tp=tp,
+                          rotation_layout=layout, k_values=k_values, bits_per_expert=bits_map)
+
+
+def check_runtime(spec: RankSlicedSpec, tp_size: int, num_experts: int) -> None:
+    if tp_size != spec.tp:
+        raise RankSlicedError(f"rank-sliced EXL3 checkpoint TP does not match runtime: the checkpoint was sliced "
+                              f"for tp={spec.tp}, the server runs tp={tp_size}; pass --tp {spec.tp}")
+    if num_experts != spec.experts_per_layer:
+        raise RankSlicedError(f"rank-sliced EXL3 checkpoint has {spec.experts_per_layer} experts per layer, the "
+                              f"model config {num_experts}")
+
+
+def normalize_weight_name(name: str, tp_rank: int, spec: RankSlicedSpec | None) -> str | None:
+    """Checkpoint name -> the name this rank loads, or None to drop it (another rank's slice)."""
+    shared = SHARED_H_WEIGHT_RE.match(name)
+    if shared:
+        if spec is None or spec.rotation_layout != "shared_h_v1":
+            raise RankSlicedError(f"{name}: a shared_h tensor, but the checkpoint does not declare "
+                                  "rotation_layout='shared_h_v1'")
+        proj, fld = shared["projection"], shared["field"]
+        if fld != H_SIDE[proj]:
+            raise RankSlicedError(f"{name}: experts.shared_h.{proj} requires {H_SIDE[proj]}")
+        if int(shared["rank"]) != tp_rank:
+            return None
+        return f"{shared['experts_prefix']}.0.{proj}.{fld}"
+    sliced = RANK_SLICED_WEIGHT_RE.match(name)
+    if not sliced:
+        return name
+    if int(sliced["rank"]) != tp_rank:
+        return None
+    prefix, fld = sliced["prefix"], sliced["field"]
+    expert = EXPERT_PROJECTION_RE.match(prefix)
+    if expert and spec is not None and spec.rotation_layout == "shared_h_v1" and fld == H_SIDE[expert["projection"]]:
+        raise RankSlicedError(f"{name}: rotation_layout='shared_h_v1' must store H-side rotations under "
+                              "experts.shared_h, not per expert")
+    return f"{prefix}.{fld}"

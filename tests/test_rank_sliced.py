@@ -1,0 +1,102 @@
+"""Rank-sliced routed-expert metadata (`hybrid_tr3_tail`): every rejection and the name normalisation."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from sglang_exl3.format import rank_sliced as rs
+
+BASE = {"format": "exl3-trellis", "bits": 3, "codebook": "mcg", "experts_per_layer": 4, "moe_layers": [1, 2],
+        "tensor_schema": rs.TENSOR_SCHEMA, "tp": 2}
+
+
+def cfg(**changes):
+    meta = copy.deepcopy(BASE)
+    for k, v in changes.items():
+        if v is None:
+            meta.pop(k, None)
+        else:
+            meta[k] = v
+    return {"quant_method": "modelopt", "hybrid_tr3_tail": meta}
+
+
+def test_claimed_even_under_another_quant_method():
+    assert rs.override_quantization_method(cfg(), None) == "exl3"
+    assert rs.override_quantization_method(cfg(), "exl3") == "exl3"
+    assert rs.override_quantization_method(cfg(), "fp8") is None
+    assert rs.override_quantization_method({"hybrid_tr3_tail": {"format": "other"}}, None) is None
+    spec = rs.parse(cfg())
+    assert (spec.bits, spec.moe_layers, spec.tp, spec.rotation_layout) == (3, (1, 2), 2, "per_expert_v1")
+    assert spec.covers(2) and not spec.covers(0) and spec.expert_bits(1, 3) == 3
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tp": None, "codebook": None}, "rank-sliced EXL3 metadata is missing: codebook, tp"),
+    ({"codebook": "mul1"}, "rank-sliced EXL3 currently requires the MCG codebook"),
+    ({"moe_layers": [3, 2]}, "moe_layers must be [first, last] with 0 <= first <= last"),
+    ({"moe_layers": [1]}, "moe_layers must be [first, last]"),
+    ({"moe_layers": [-1, 2]}, "moe_layers must be [first, last]"),
+    ({"tensor_schema": "model.layers.{L}.experts"}, "tensor_schema must be exactly"),
+    ({"bits": 3.5}, "bits must be an integer in (2, 3, 4, 5, 6) or 'mixed'"),
+    ({"bits": 7}, "bits must be an integer"),
+    ({"bits": "three"}, "bits must be a number or 'mixed'"),
+    ({"bits": "mixed"}, "requires k_values"),
+    ({"bits": "mixed", "k_values": [3, 9]}, "requires k_values: integers within 2..6"),
+    ({"bits": "mixed", "k_values": [3, 4]}, "requires bits_per_expert = 'file.json:field'"),
+    ({"bits": "mixed", "k_values": [3, 4], "bits_per_expert": "../bits.json:k"}, "must not contain path separators"),
+    ({"bits": "mixed", "k_values": [3, 4], "bits_per_expert": "sub/bits.json:k"}, "must not contain path separators"),
+    ({"bits": "mixed", "k_values": [3, 4], "bits_per_expert": "/etc/bits.json:k"}, "must not contain path separators"),
+    ({"rotation_layout": "per_row"}, "rotation_layout must be one of"),
+    ({"rotation_layout": "shared_h_v1"}, "requires shared_h_tensor_schema"),
+    ({"shared_h_tensor_schema": rs.SHARED_H_SCHEMA}, "without rotation_layout='shared_h_v1'"),
+])
+def test_rejections(changes, message):
+    with pytest.raises(rs.RankSlicedError) as info:
+        rs.parse(cfg(**changes))
+    assert message in str(info.value)
+
+
+def test_mixed_bitrate_map(tmp_path):
+    (tmp_path / "bits.json").write_text(json.dumps({"1": {"k": [3, 4, 4, 3]}, "2": {"tail_tr3": [0, 0, 0, 0]}}))
+    spec = rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="bits.json:k"), tmp_path)
+    assert spec.bits_per_expert == {1: (3, 4, 4, 3), 2: (3, 3, 3, 3)}
+    assert spec.expert_bits(1, 1) == 4
+    (tmp_path / "bits.json").write_text(json.dumps({"1": {"k": [3, 5, 4, 3]}, "2": {"k": [3, 3, 3, 3]}}))
+    with pytest.raises(rs.RankSlicedError, match="uses K=5, which k_values"):
+        rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="bits.json:k"), tmp_path)
+    (tmp_path / "bits.json").write_text(json.dumps({"1": {"k": [3, 3]}}))
+    with pytest.raises(rs.RankSlicedError, match="must list 4 bitrates"):
+        rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="bits.json:k"), tmp_path)
+    with pytest.raises(rs.RankSlicedError, match="cannot read"):
+        rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="nope.json:k"), tmp_path)
+
+
+def test_runtime_checks():
+    spec = rs.parse(cfg())
+    rs.check_runtime(spec, tp_size=2, num_experts=4)
+    with pytest.raises(rs.RankSlicedError, match="TP does not match runtime.*pass --tp 2"):
+        rs.check_runtime(spec, tp_size=4, num_experts=4)
+    with pytest.raises(rs.RankSlicedError, match="4 experts per layer, the model config 8"):
+        rs.check_runtime(spec, tp_size=2, num_experts=8)
+
+
+def test_name_normalisation():
+    spec = rs.parse(cfg())
+    p = "model.layers.1.mlp.experts.3.gate_proj"
+    assert rs.normalize_weight_name(f"{p}.rank1.trellis", 1, spec) == f"{p}.trellis"
+    assert rs.normalize_weight_name(f"{p}.rank0.trellis", 1, spec) is None
+    assert rs.normalize_weight_name("model.norm.weight", 1, spec) == "model.norm.weight"
+    with pytest.raises(rs.RankSlicedError, match="does not declare rotation_layout='shared_h_v1'"):
+        rs.normalize_weight_name("model.layers.1.mlp.experts.shared_h.gate_proj.rank0.suh", 0, spec)
+    shared = rs.parse(cfg(rotation_layout="shared_h_v1", shared_h_tensor_schema=rs.SHARED_H_SCHEMA))
+    e = "model.layers.1.mlp.experts"
+    assert rs.normalize_weight_name(f"{e}.shared_h.up_proj.rank0.suh", 0, shared) == f"{e}.0.up_proj.suh"
+    assert rs.normalize_weight_name(f"{e}.shared_h.down_proj.rank1.svh", 0, shared) is None
+    with pytest.raises(rs.RankSlicedError, match="experts.shared_h.down_proj requires svh"):
+        rs.normalize_weight_name(f"{e}.shared_h.down_proj.rank0.suh", 0, shared)
+    with pytest.raises(rs.RankSlicedError, match="must store H-side rotations under experts.shared_h"):
+        rs.normalize_weight_name(f"{e}.2.gate_proj.rank0.suh", 0, shared)
+    assert rs.normalize_weight_name(f"{e}.2.gate_proj.rank0.svh", 0, shared) == f"{e}.2.gate_proj.svh"
