@@ -122,3 +122,19 @@ def test_inspect_reports_and_exit_codes(tiny_ckpt):
     proc = run("inspect", str(tiny_ckpt))
     assert proc.returncode == 1
     assert "PROBLEMS" in proc.stdout and "missing from the safetensors files" in proc.stdout
+
+
+def test_dequantize_writes_sharded_output_with_index(tmp_path):
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    ckpt = EXLLAMAV3_CKPTS[0]
+    summary = dequantize_checkpoint(ckpt, tmp_path / "dq", max_shard_bytes=1 << 20, progress=False)
+    assert len(summary["shards"]) > 1
+    index = json.loads((tmp_path / "dq" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(summary["shards"])
+    single = tmp_path / "dq1"
+    dequantize_checkpoint(ckpt, single, progress=False)
+    whole = load_file(str(single / "model.safetensors"))
+    assert set(index["weight_map"]) == set(whole)
+    for name, file in index["weight_map"].items():
+        assert torch.equal(load_file(str(tmp_path / "dq" / file))[name], whole[name])

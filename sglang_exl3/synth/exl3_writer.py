@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from sglang_exl3.format.constants import ALIGN, MARKER_VALUES, SIDECAR_NAME, Codebook
+from sglang_exl3.format.shards import ShardPacker
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -186,8 +186,7 @@ def write_exl3_checkpoint(
         ids = write_tokenizer(out, dims.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     storage: dict[str, dict] = {}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
+    packer = ShardPacker(_MAX_SHARD_BYTES)
     plan = list(module_plan(arch, dims))
     if progress:
         from tqdm import tqdm
@@ -208,13 +207,8 @@ def write_exl3_checkpoint(
                 t = (0.02 * torch.randn(shape, generator=gen)).bfloat16()
             tensors = {f"{key}.weight": t}
             storage[key] = _storage_entry(tensors, None, None)
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if shard_bytes and shard_bytes + size > _MAX_SHARD_BYTES:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1].update(tensors)
-        shard_bytes += size
-    _save_shards(out, shards)
+        packer.add(tensors)
+    packer.save(out)
     qcfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(bits), "head_bits": head_bits,
             "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook.label}
     config = hf_config(arch, dims, ids["bos"], ids["eos"], ids["pad"])
@@ -222,18 +216,3 @@ def write_exl3_checkpoint(
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / SIDECAR_NAME).write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=4))
     return out
-
-
-def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        for t_name, t in shard.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

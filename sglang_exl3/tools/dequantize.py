@@ -13,12 +13,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from sglang_exl3.codec.signs import unpack_sign_bits
 from sglang_exl3.codec.weight import dequantize_weight
 from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
+from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.tools.logical_shapes import logical_sizes, meta_model_shapes
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,8 +75,7 @@ def dequantize_checkpoint(
         from tqdm import tqdm
 
         items = tqdm(items, desc="dequantizing", unit="tensor")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    packer = ShardPacker(max_shard_bytes)
     for kind, name in items:
         if kind == "exl3":
             weight, bias = _module_weight(ckpt, name, device, meta_shapes)
@@ -86,32 +85,10 @@ def dequantize_checkpoint(
         else:
             t = ckpt.load_tensor(name)
             tensors = {name: t.to(target) if t.is_floating_point() else t}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1].update(tensors)
-        size += nbytes
-    names = _write_shards(out, shards)
+        packer.add(tensors)
+    names = packer.save(out)
     (out / CONFIG_NAME).write_text(json.dumps(_out_config(ckpt.config, dtype), indent=2))
     for f in sorted(ckpt.path.iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_FILES:
             shutil.copy2(f, out / f.name)
     return {"exl3_modules": len(keys), "plain_tensors": len(plain), "shards": names, "dtype": dtype}
-
-
-def _write_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> list[str]:
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        names.append(name)
-        for t_name, t in shard.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return names
