@@ -43,19 +43,20 @@ def _decode_block(trellis_ptr, k_tile0, n0, nt, WORDS: tl.constexpr, CB: tl.cons
     w1 = tl.load(trellis_ptr + base + (i1 ^ 1)).to(tl.int32) & 0xFFFF
     window = ((w0 << 16) | w1).to(tl.uint32)
     x = (window >> shift.to(tl.uint32)) & 0xFFFF
-    shape: tl.constexpr = [BLOCK_K, BLOCK_N]  # constants as uint32 tensors: products wrap mod 2^32
+    # Constants as uint32 tensors so that every product wraps mod 2^32 like the CUDA code.
     if CB == 2:  # MUL1
-        x = x * tl.full(shape, 0x83DCD12D, tl.uint32)
+        x = x * tl.full((BLOCK_K, BLOCK_N), 0x83DCD12D, tl.uint32)
         s = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
         k_inv = 0.00676727294921875  # fp16 0x1EEE
         k_bias = -10.3828125  # fp16 0xC931
         val = ((1024 + s).to(tl.float32) * k_inv + k_bias).to(tl.float16)
     else:
         if CB == 1:  # MCG
-            x = x * tl.full(shape, 0xCBAC1FED, tl.uint32)
+            x = x * tl.full((BLOCK_K, BLOCK_N), 0xCBAC1FED, tl.uint32)
         else:  # 3INST
-            x = x * tl.full(shape, 89226354, tl.uint32) + tl.full(shape, 64248484, tl.uint32)
-        x = (x & tl.full(shape, 0x8FFF8FFF, tl.uint32)) ^ tl.full(shape, 0x3B603B60, tl.uint32)
+            x = x * tl.full((BLOCK_K, BLOCK_N), 89226354, tl.uint32) + tl.full((BLOCK_K, BLOCK_N), 64248484, tl.uint32)
+        mask = tl.full((BLOCK_K, BLOCK_N), 0x8FFF8FFF, tl.uint32)
+        x = (x & mask) ^ tl.full((BLOCK_K, BLOCK_N), 0x3B603B60, tl.uint32)
         lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         val = (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
