@@ -192,3 +192,16 @@ def test_unclaimed_exl3_module_is_a_load_time_error(tmp_path):
         getattr(layer, suffix).weight_loader(getattr(layer, suffix), ckpt.load_tensor(f"{key}.{suffix}"))
     with pytest.raises(ValueError, match=r"EXL3 module\(s\) of .* have no EXL3 layer in the SGLang model"):
         process(layer)  # only down_proj was built: q/k/v/o/gate/up of layer 0 are unclaimed
+
+
+def test_layer_apply_traces_under_torch_compile_fullgraph():
+    """SGLang's tc_piecewise / --enable-torch-compile trace linear layers with fullgraph=True and a
+    dynamic token count: the EXL3 apply must not break the graph."""
+    model, _ = load_model(DENSE_CKPTS[0])
+    layer = model.model.layers[0].self_attn.qkv_proj
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: layer.quant_method.apply(layer, x), fullgraph=True, dynamic=True,
+                             backend="eager")
+    for m in (1, 3, 17):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        assert torch.equal(compiled(x), layer.quant_method.apply(layer, x))
