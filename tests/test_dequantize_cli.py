@@ -138,3 +138,20 @@ def test_dequantize_writes_sharded_output_with_index(tmp_path):
     assert set(index["weight_map"]) == set(whole)
     for name, file in index["weight_map"].items():
         assert torch.equal(load_file(str(tmp_path / "dq" / file))[name], whole[name])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_dequantized_checkpoint_loads_in_transformers_without_missing_keys(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    dims = ModelDims(num_hidden_layers=1, num_key_value_heads=1, vocab_size=1000)  # padded k/v and vocab
+    ckpt = write_exl3_checkpoint(tmp_path / "c", arch, dims=dims, bits=3, codebook="mcg")
+    dequantize_checkpoint(ckpt, tmp_path / "dq", dtype="bfloat16", progress=False)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "dq", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 1000) and torch.isfinite(logits).all()

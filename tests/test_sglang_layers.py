@@ -205,3 +205,21 @@ def test_layer_apply_traces_under_torch_compile_fullgraph():
     for m in (1, 3, 17):
         x = torch.randn(m, 256).to(torch.bfloat16)
         assert torch.equal(compiled(x), layer.quant_method.apply(layer, x))
+
+
+def test_qwen2_qkv_bias(tmp_path):
+    """Qwen2's q/k/v biases live in the EXL3 modules; SGLang's own bias parameter loads them and
+    the EXL3 apply adds them."""
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+    path = write_exl3_checkpoint(tmp_path / "q2", "qwen2", dims=ModelDims(num_hidden_layers=1), bits=4,
+                                 codebook="mul1", with_tokenizer=False)
+    model, _ = load_model(path)
+    ckpt = load_checkpoint(path)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    y, _ = layer(x)
+    p = "model.layers.0.self_attn"
+    want = torch.cat([_reference(ckpt, f"{p}.{s}_proj", x, None).float()
+                      + ckpt.load_tensor(f"{p}.{s}_proj.bias").float() for s in "qkv"], dim=-1)
+    assert ((y.float() - want).norm() / want.norm()) < 1e-2

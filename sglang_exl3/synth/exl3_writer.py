@@ -22,6 +22,7 @@ from sglang_exl3.format.shards import ShardPacker
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -89,7 +90,7 @@ def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int =
 
 
 def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[int, ...]]]:
-    """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' (shape = (in, out)),
+    """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' / 'exl3_bias' (shape = (in, out)),
     'head' (EXL3 at head_bits), 'embed', 'norm' or 'router' (shape = the tensor's shape)."""
     h, hd = dims.hidden_size, dims.head_dim
     q_out, kv_out = dims.num_attention_heads * hd, dims.num_key_value_heads * hd
@@ -97,9 +98,10 @@ def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[in
     for i in range(dims.num_hidden_layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm", "norm", (h,)
-        yield f"{p}.self_attn.q_proj", "exl3", (h, q_out)
-        yield f"{p}.self_attn.k_proj", "exl3", (h, kv_out)
-        yield f"{p}.self_attn.v_proj", "exl3", (h, kv_out)
+        qkv = "exl3_bias" if arch == "qwen2" else "exl3"  # Qwen2 attention has q/k/v biases
+        yield f"{p}.self_attn.q_proj", qkv, (h, q_out)
+        yield f"{p}.self_attn.k_proj", qkv, (h, kv_out)
+        yield f"{p}.self_attn.v_proj", qkv, (h, kv_out)
         yield f"{p}.self_attn.o_proj", "exl3", (q_out, h)
         if arch in ("qwen3", "qwen3_moe"):
             yield f"{p}.self_attn.q_norm", "norm", (hd,)
@@ -193,9 +195,11 @@ def write_exl3_checkpoint(
 
         plan = tqdm(plan, desc="writing EXL3 modules", unit="module")
     for key, kind, shape in plan:
-        if kind in ("exl3", "head"):
+        if kind in ("exl3", "exl3_bias", "head"):
             rate = head_bits if kind == "head" else bits
             parts = random_exl3_linear(shape[0], shape[1], rate, codebook, gen)
+            if kind == "exl3_bias":  # padded like the output features, as exllamav3 stores it
+                parts["bias"] = (0.02 * torch.randn(_pad(shape[1]), generator=gen)).half()
             tensors = {f"{key}.{s}": t for s, t in parts.items()}
             storage[key] = _storage_entry(tensors, rate, codebook)
         else:
