@@ -41,11 +41,14 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    # Pad the vocabulary to exactly vocab_size so that embedding rows and ids agree.
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
-    tok.save(str(directory / "tokenizer.json"))
+    # Pad the vocabulary to exactly vocab_size so that embedding rows and ids agree. The padding goes
+    # into the BPE vocabulary itself (never produced by encoding), not into added tokens, which
+    # transformers loads one by one (12 s for a 128k vocabulary).
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(vocab_size - tok.get_vocab_size()):
+        vocab[f"<|extra_{i}|>"] = len(vocab)
+    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
     ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad"), SPECIAL_TOKENS[:3], strict=True)}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

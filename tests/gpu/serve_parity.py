@@ -135,29 +135,33 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--ckpt", action="append", default=None)
+    ap.add_argument("--backend", default="torch", help="SGLANG_EXL3_BACKEND for the EXL3 server")
+    ap.add_argument("--extra", default="", help="extra SGLang args for both servers, e.g. --enable-torch-compile")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.ckpt or ["tiny-llama-mul1-4bpw", "tiny-qwen3-mcg-4bpw"]
     work = Path("/tmp/serve_parity")
     work.mkdir(exist_ok=True)
-    common = ["--dtype", "float16", "--mem-fraction-static", "0.3", "--cuda-graph-max-bs-decode", "64"]
+    common = ["--dtype", "float16", "--mem-fraction-static", "0.3", "--cuda-graph-max-bs-decode", "64",
+              *args.extra.split()]
     report = {"command": " ".join(sys.argv), "tolerance_nats": TOL, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "server_args": common, "backend": "torch", "models": {}}
+              "torch": torch.__version__, "server_args": common, "backend": args.backend, "models": {}}
     import sglang
 
     report["sglang"] = sglang.__version__
     ok = True
     try:
         for i, name in enumerate(names):
-            ok &= check_model(name, i, common, work, out, report)
+            ok &= check_model(name, i, common, work, out, report, args.backend)
     finally:
         report["passed"] = ok
         (out / "serve-parity-h200.json").write_text(json.dumps(report, indent=1))
     return 0 if ok else 1
 
 
-def check_model(name: str, index: int, common: list[str], work: Path, out: Path, report: dict) -> bool:
+def check_model(name: str, index: int, common: list[str], work: Path, out: Path, report: dict,
+                backend: str = "torch") -> bool:
     """Serve one checkpoint as EXL3 and as its fp16 twin (one pair at a time) and compare."""
     dq = work / f"{name}-fp16"
     if not dq.exists():
@@ -170,7 +174,7 @@ def check_model(name: str, index: int, common: list[str], work: Path, out: Path,
                                                   ("fp16", dq, []))):
             port = 31000 + 2 * index + j
             t0 = time.time()
-            proc = launch(path, port, common + extra, env={"SGLANG_EXL3_BACKEND": "torch"},
+            proc = launch(path, port, common + extra, env={"SGLANG_EXL3_BACKEND": backend},
                           log_path=out / f"server-{name}-{kind}.log")
             servers[kind] = (proc, f"http://127.0.0.1:{port}", t0)
             if index == 0 and j == 0:  # the very first server JIT-compiles SGLang's kernels alone
