@@ -16,3 +16,10 @@ def unpack_sign_bits(packed: torch.Tensor) -> torch.Tensor:
     words = packed.to(torch.int32) & 0xFFFF
     bits = (words[:, None] >> torch.arange(16, device=packed.device)) & 1
     return (1 - 2 * bits).reshape(-1).to(torch.float16)
+
+
+def input_output_scales(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(suh, svh) of one EXL3 linear from its tensors: fp16 vectors, or expanded legacy su/sv bitfields."""
+    suh = tensors["suh"] if "suh" in tensors else unpack_sign_bits(tensors["su"])
+    svh = tensors["svh"] if "svh" in tensors else unpack_sign_bits(tensors["sv"])
+    return suh, svh

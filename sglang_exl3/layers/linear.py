@@ -26,7 +26,8 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
 from sglang_exl3 import knobs
-from sglang_exl3.codec.signs import unpack_sign_bits
+from sglang_exl3.codec.linear import pad_input
+from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.format import Codebook, Exl3ModuleRecord
 from sglang_exl3.kernels.backends import Backend, resolve_backend
@@ -65,6 +66,79 @@ class ShardPlan:
     columns: Exl3Slice | None  # None: keep all columns (row-parallel / replicated)
     rows: Exl3Slice | None  # None: keep all rows
     out_features: int
+
+
+def register_placeholders(layer: torch.nn.Module, loader, prefix: str = "") -> None:
+    """Empty parameters named like the checkpoint suffixes (`{prefix}trellis`, ...) so that SGLang's
+    weight routing finds them; `loader` receives every tensor."""
+    for suffix in SUFFIXES:
+        param = torch.nn.Parameter(torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix]), requires_grad=False)
+        param.exl3_suffix = suffix
+        param.weight_loader = loader
+        layer.register_parameter(prefix + suffix, param)
+
+
+def release_placeholders(layer: torch.nn.Module, device: torch.device, prefix: str = "") -> None:
+    """Drop the placeholders' references to the loaded checkpoint tensors."""
+    for suffix in SUFFIXES:
+        getattr(layer, prefix + suffix).data = torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix], device=device)
+
+
+def build_shard(record: Exl3ModuleRecord, got: dict[str, torch.Tensor], layer_prefix: str, device: torch.device,
+                out_features: int, rows: Exl3Slice | None = None, columns: Exl3Slice | None = None) -> Exl3Shard:
+    """Check the tensors loaded for one source matrix against its checkpoint record (a tensor SGLang's
+    loader skipped is an error here, at load time), slice them for this rank and move them to `device`."""
+    name = record.key
+    missing = [s for s in ("trellis",) if s not in got]
+    if "suh" not in got and "su" not in got:
+        missing.append("suh")
+    if "svh" not in got and "sv" not in got:
+        missing.append("svh")
+    if record.codebook.marker and record.codebook.marker not in got:
+        missing.append(record.codebook.marker)
+    unexpected = [m for m in ("mcg", "mul1") if m in got and m != record.codebook.marker]
+    if missing or unexpected:
+        raise ValueError(f"Missing or inconsistent EXL3 tensors for {name} (layer {layer_prefix}): "
+                         f"missing {missing}, unexpected {unexpected}; the checkpoint's records say "
+                         f"codebook {record.codebook.label}. Re-download the checkpoint or check the "
+                         "model's weight-name mapping")
+    trellis = got["trellis"]
+    if tuple(trellis.shape) != (record.in_features // 16, record.out_features // 16, int(record.bits * 16)):
+        raise ValueError(f"EXL3 {name}: trellis shape {tuple(trellis.shape)} disagrees with the checkpoint "
+                         f"record ({record.in_features}x{record.out_features}, {record.bits} bits)")
+    suh, svh = input_output_scales(got)
+    if rows is not None:
+        trellis, suh = slice_rows(trellis, suh, rows, name)
+    if columns is not None:
+        trellis, svh = slice_columns(trellis, svh, columns, name)
+    return Exl3Shard(
+        key=name,
+        trellis=trellis.to(device=device, dtype=torch.int16).contiguous(),
+        suh=suh.to(device=device, dtype=torch.float16).contiguous(),
+        svh=svh.to(device=device, dtype=torch.float16).contiguous(),
+        codebook=record.codebook,
+        out_features=out_features,
+    )
+
+
+def cache_decoded(shards, backend: Backend) -> None:
+    """The torch backend decodes each trellis once at load; its forward is then two rotations and a matmul."""
+    if backend == Backend.TORCH:
+        for shard in shards:
+            shard.w_hat = reconstruct(shard.trellis, shard.codebook)
+
+
+def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torch.Tensor:
+    """fp16 x [m, <=K] -> fp16 [m, s.out_features]: input zero-padded to the packed K, output trimmed to
+    the logical width (or zero-padded, for an lm_head partition wider than the packed vocab)."""
+    x16 = pad_input(x16, s.in_features, where).contiguous()
+    y = torch.ops.exl3.gemm(x16, s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), backend)
+    n = y.shape[-1]
+    if n > s.out_features:
+        return y[:, : s.out_features]
+    if n < s.out_features:
+        return torch.nn.functional.pad(y, (0, s.out_features - n))
+    return y
 
 
 def plan_shards(layer: torch.nn.Module, records: dict[object, Exl3ModuleRecord], prefix: str) -> list[ShardPlan]:
@@ -126,11 +200,7 @@ class Exl3LinearMethod(LinearMethodBase):
                 "added tokens, or keep lm_head unquantized (exllamav3 -hb 16)")
         layer.exl3_plans = plan_shards(layer, self.records, self.prefix)
         layer.exl3_loaded = {plan.shard_id: {} for plan in layer.exl3_plans}
-        for suffix in SUFFIXES:
-            param = torch.nn.Parameter(torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix]), requires_grad=False)
-            param.exl3_suffix = suffix
-            param.weight_loader = self._make_loader(layer)
-            layer.register_parameter(suffix, param)
+        register_placeholders(layer, self._make_loader(layer))
 
     def _make_loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None, *args, **kwargs) -> None:
@@ -145,73 +215,23 @@ class Exl3LinearMethod(LinearMethodBase):
             self.config.check_all_claimed()
         device = layer.trellis.device
         backend = resolve_backend(device)
-        shards = [self._build_shard(layer, plan, device) for plan in layer.exl3_plans]
-        if backend == Backend.TORCH:
-            for shard in shards:  # decoded once; the forward is then two rotations and a matmul
-                shard.w_hat = reconstruct(shard.trellis, shard.codebook)
+        shards = [build_shard(plan.record, layer.exl3_loaded[plan.shard_id], self.prefix, device,
+                              plan.out_features, rows=plan.rows, columns=plan.columns)
+                  for plan in layer.exl3_plans]
+        cache_decoded(shards, backend)
         layer.exl3_shards = shards
         layer.exl3_backend = int(backend)
-        layer.exl3_in_features = shards[0].in_features
         del layer.exl3_loaded
-        for suffix in SUFFIXES:  # free the placeholders' loaded views
-            getattr(layer, suffix).data = torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix], device=device)
+        release_placeholders(layer, device)
         if knobs.get("LOG_PATH_SELECTION"):
             logger.info("EXL3 path %s -> %s (%s)", self.prefix, Backend(backend).name.lower(),
                         ", ".join(f"{s.key}: {s.codebook.label}" for s in shards))
 
-    def _build_shard(self, layer: torch.nn.Module, plan: ShardPlan, device: torch.device) -> Exl3Shard:
-        record, name = plan.record, plan.record.key
-        got = layer.exl3_loaded[plan.shard_id]
-        missing = [s for s in ("trellis",) if s not in got]
-        if "suh" not in got and "su" not in got:
-            missing.append("suh")
-        if "svh" not in got and "sv" not in got:
-            missing.append("svh")
-        if record.codebook.marker and record.codebook.marker not in got:
-            missing.append(record.codebook.marker)
-        unexpected = [m for m in ("mcg", "mul1") if m in got and m != record.codebook.marker]
-        if missing or unexpected:
-            raise ValueError(f"Missing or inconsistent EXL3 tensors for {name} (layer {self.prefix}): "
-                             f"missing {missing}, unexpected {unexpected}; the checkpoint's records say "
-                             f"codebook {record.codebook.label}. Re-download the checkpoint or check the "
-                             "model's weight-name mapping")
-        trellis = got["trellis"]
-        if tuple(trellis.shape) != (record.in_features // 16, record.out_features // 16, int(record.bits * 16)):
-            raise ValueError(f"EXL3 {name}: trellis shape {tuple(trellis.shape)} disagrees with the checkpoint "
-                             f"record ({record.in_features}x{record.out_features}, {record.bits} bits)")
-        suh = got["suh"] if "suh" in got else unpack_sign_bits(got["su"])
-        svh = got["svh"] if "svh" in got else unpack_sign_bits(got["sv"])
-        if plan.rows is not None:
-            trellis, suh = slice_rows(trellis, suh, plan.rows, name)
-        if plan.columns is not None:
-            trellis, svh = slice_columns(trellis, svh, plan.columns, name)
-        return Exl3Shard(
-            key=name,
-            trellis=trellis.to(device=device, dtype=torch.int16).contiguous(),
-            suh=suh.to(device=device, dtype=torch.float16).contiguous(),
-            svh=svh.to(device=device, dtype=torch.float16).contiguous(),
-            codebook=record.codebook,
-            out_features=plan.out_features,
-        )
-
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, width = x.shape[:-1], x.shape[-1]
-        x16 = x.reshape(-1, width).to(torch.float16)
-        packed_in = layer.exl3_in_features
-        if width < packed_in:
-            x16 = torch.nn.functional.pad(x16, (0, packed_in - width))
-        elif width > packed_in:
-            raise ValueError(f"EXL3 {self.prefix}: input width {width} exceeds packed K {packed_in}")
-        x16 = x16.contiguous()
-        outs = []
-        for s in layer.exl3_shards:
-            y = torch.ops.exl3.gemm(x16, s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), layer.exl3_backend)
-            n = y.shape[-1]
-            if n > s.out_features:
-                y = y[:, : s.out_features]
-            elif n < s.out_features:  # lm_head partition wider than the packed vocab
-                y = torch.nn.functional.pad(y, (0, s.out_features - n))
-            outs.append(y)
+        where = f"EXL3 {self.prefix}"
+        x16 = pad_input(x.reshape(-1, width).to(torch.float16), layer.exl3_shards[0].in_features, where)
+        outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if bias is not None:
             y = y.float() + bias.float()

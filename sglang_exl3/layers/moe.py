@@ -18,14 +18,20 @@ import torch
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from sglang_exl3.codec.signs import unpack_sign_bits
-from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.format import Exl3ModuleRecord
-from sglang_exl3.kernels.backends import Backend, resolve_backend
-from sglang_exl3.layers.linear import _PLACEHOLDER_DTYPES, SUFFIXES, Exl3Shard
-from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError, slice_columns, slice_rows
+from sglang_exl3.kernels.backends import resolve_backend
+from sglang_exl3.layers.linear import (
+    Exl3Shard,
+    build_shard,
+    cache_decoded,
+    register_placeholders,
+    release_placeholders,
+    run_shard,
+)
+from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
 
 ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
+GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
@@ -46,12 +52,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 f"128 at moe_tp_size={layer.moe_tp_size}; EXL3 slices fall on 128-wide Hadamard blocks. Use expert "
                 "parallelism (--ep-size) so each expert stays whole on one rank")
         layer.exl3_moe_loaded = {}
-        for group in ("w13", "w2"):
-            for suffix in SUFFIXES:
-                param = torch.nn.Parameter(torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix]), requires_grad=False)
-                param.exl3_suffix = suffix
-                param.weight_loader = self._make_loader(layer)
-                layer.register_parameter(f"{group}_{suffix}", param)
+        for group in GROUPS:
+            register_placeholders(layer, self._make_loader(layer), group)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         cfg = moe_runner_config
@@ -89,64 +91,36 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         experts = []
         for local_e in range(layer.num_local_experts):
             shards = {role: self._build(layer, local[local_e], role, cut, device) for role in ROLES}
-            if backend == Backend.TORCH:
-                for s in shards.values():
-                    s.w_hat = reconstruct(s.trellis, s.codebook)
+            cache_decoded(shards.values(), backend)
             experts.append(shards)
         layer.exl3_experts = experts
         layer.exl3_backend = int(backend)
         del layer.exl3_moe_loaded
-        for group in ("w13", "w2"):
-            for suffix in SUFFIXES:
-                getattr(layer, f"{group}_{suffix}").data = torch.empty(0, dtype=_PLACEHOLDER_DTYPES[suffix],
-                                                                       device=device)
+        for group in GROUPS:
+            release_placeholders(layer, device, group)
 
     def _build(self, layer, global_e: int, role: str, cut: Exl3Slice, device) -> Exl3Shard:
+        """gate/up keep this rank's intermediate columns, down its intermediate rows."""
         record = self.records[(global_e, role)]
         got = layer.exl3_moe_loaded.get((global_e, role), {})
-        missing = [s for s in ("trellis",) if s not in got]
-        missing += ["suh"] if not {"suh", "su"} & set(got) else []
-        missing += ["svh"] if not {"svh", "sv"} & set(got) else []
-        if record.codebook.marker and record.codebook.marker not in got:
-            missing.append(record.codebook.marker)
-        unexpected = [m for m in ("mcg", "mul1") if m in got and m != record.codebook.marker]
-        if missing or unexpected:
-            raise ValueError(f"Missing or inconsistent EXL3 tensors for {record.key} (layer {self.prefix}): "
-                             f"missing {missing}, unexpected {unexpected}")
-        trellis = got["trellis"]
-        suh = got["suh"] if "suh" in got else unpack_sign_bits(got["su"])
-        svh = got["svh"] if "svh" in got else unpack_sign_bits(got["sv"])
         if role == "w2":
-            trellis, suh = slice_rows(trellis, suh, cut, record.key)
-            out = layer.hidden_size
-        else:
-            trellis, svh = slice_columns(trellis, svh, cut, record.key)
-            out = cut.size
-        return Exl3Shard(key=record.key, trellis=trellis.to(device).contiguous(),
-                         suh=suh.to(device=device, dtype=torch.float16).contiguous(),
-                         svh=svh.to(device=device, dtype=torch.float16).contiguous(),
-                         codebook=record.codebook, out_features=out)
-
-    @staticmethod
-    def _gemm(x16: torch.Tensor, s: Exl3Shard, backend: int) -> torch.Tensor:
-        if x16.shape[-1] < s.in_features:
-            x16 = torch.nn.functional.pad(x16, (0, s.in_features - x16.shape[-1]))
-        y = torch.ops.exl3.gemm(x16.contiguous(), s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), backend)
-        return y[:, : s.out_features]
+            return build_shard(record, got, self.prefix, device, layer.hidden_size, rows=cut)
+        return build_shard(record, got, self.prefix, device, cut.size, columns=cut)
 
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         x16 = x.reshape(-1, x.shape[-1]).to(torch.float16)
+        where = f"EXL3 MoE {self.prefix}"
         act = torch.nn.functional.silu if self.moe_runner_config.activation == "silu" else \
             (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
         for e, shards in enumerate(layer.exl3_experts):
             weight = (topk_weights.float() * (topk_ids == e)).sum(-1)  # 0 where expert e is not routed
-            gate = self._gemm(x16, shards["w1"], layer.exl3_backend).float()
-            up = self._gemm(x16, shards["w3"], layer.exl3_backend).float()
+            gate = run_shard(x16, shards["w1"], layer.exl3_backend, where).float()
+            up = run_shard(x16, shards["w3"], layer.exl3_backend, where).float()
             hidden = (act(gate) * up).to(torch.float16)
-            out += weight[:, None] * self._gemm(hidden, shards["w2"], layer.exl3_backend).float()
+            out += weight[:, None] * run_shard(hidden, shards["w2"], layer.exl3_backend, where).float()
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None:
             out *= scale

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_exl3.codec.signs import unpack_sign_bits
+from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.weight import dequantize_weight
 from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
@@ -31,8 +31,7 @@ def _module_weight(
     """fp16 weight [out, in] (trimmed) and optional bias [out] of one EXL3 module."""
     record = ckpt.modules[key]
     t = ckpt.load_module(key, device)
-    suh = t["suh"] if "suh" in t else unpack_sign_bits(t["su"])
-    svh = t["svh"] if "svh" in t else unpack_sign_bits(t["sv"])
+    suh, svh = input_output_scales(t)
     w = dequantize_weight(t["trellis"], suh, svh, record.codebook)
     k, n = logical_sizes(key, ckpt.config, record.in_features, record.out_features, meta_shapes)
     bias = t["bias"][:n].half() if "bias" in t else None
