@@ -48,6 +48,7 @@ class Exl3Checkpoint:
     tensors: dict[str, TensorInfo]
     modules: dict[str, Exl3ModuleRecord] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    _open_files: dict = field(default_factory=dict, repr=False)  # (file, device) -> safe_open handle
 
     @property
     def tensor_storage(self) -> dict:
@@ -64,11 +65,14 @@ class Exl3Checkpoint:
         return sorted(n for n in self.tensors if n not in owned)
 
     def load_tensor(self, name: str, device: str = "cpu"):
+        """One tensor; each shard is opened (and its header parsed) once per device, not per tensor."""
         from safetensors import safe_open
 
-        info = self.tensors[name]
-        with safe_open(str(info.file), framework="pt", device=device) as f:
-            return f.get_tensor(name)
+        key = (self.tensors[name].file, device)
+        handle = self._open_files.get(key)
+        if handle is None:
+            handle = self._open_files[key] = safe_open(str(key[0]), framework="pt", device=device)
+        return handle.get_tensor(name)
 
     def load_module(self, key: str, device: str = "cpu") -> dict:
         """Tensors of one EXL3 module, keyed by suffix (markers omitted: see record.codebook)."""

@@ -14,11 +14,9 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger(__name__)
-KNOB_ERROR: Exception | None = None
 
 
 def register() -> None:
-    global KNOB_ERROR
     import sglang.srt.layers.quantization as quantization
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
@@ -34,7 +32,5 @@ def register() -> None:
     register_hooks()  # applied by load_plugins() right after the plugins run
     try:
         knobs.validate_all()
-        KNOB_ERROR = None
     except knobs.KnobError as e:
-        KNOB_ERROR = e
         logger.error("sglang-exl3: %s", e)

@@ -1,7 +1,7 @@
 """EXL3 GEMM backends behind one registered torch op (`torch.ops.exl3.gemm`).
 
 Backends: `torch` (the reference codec: cached W_hat + matmul, runs anywhere), `exllamav3`
-(exllamav3's `exl3_gemm`, the GPU parity path) and `triton` (our Hopper kernels, not yet built).
+(exllamav3's `exl3_gemm`, the GPU parity path) and `triton` (our trellis kernels, not yet measured).
 No SGLang import here.
 """
 

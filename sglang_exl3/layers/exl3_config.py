@@ -48,10 +48,9 @@ def _candidates(key: str) -> list[str]:
 
 
 class Exl3Config(QuantizationConfig):
-    def __init__(self, checkpoint: Exl3Checkpoint | None = None, summary: dict | None = None):
+    def __init__(self, checkpoint: Exl3Checkpoint | None = None):
         super().__init__()
         self.checkpoint = checkpoint
-        self.summary = summary or {}
         if checkpoint is None:
             _activate(self)  # a pass-through (bf16 draft) config: hooks must not inject the target's
         self.packed_modules_mapping = dict(DEFAULT_PACKED_MODULES)
@@ -83,14 +82,13 @@ class Exl3Config(QuantizationConfig):
         knobs.validate_all()  # a bad SGLANG_EXL3_* value stops the model load, naming the variable
         hf_config = config.get("hf_config")
         path = getattr(hf_config, "_name_or_path", None) or config.get("model_path")
-        summary = {k: v for k, v in config.items() if k not in ("hf_config", "packed_modules_mapping")}
         if not path or not os.path.isdir(path):
             raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
                              f"path is {path!r}; pass a local folder to --model-path")
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
         logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s", path, len(ckpt.modules),
                     sorted({m.codebook.label for m in ckpt.modules.values()}))
-        out = cls(ckpt, summary)
+        out = cls(ckpt)
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         _activate(out)
         return out

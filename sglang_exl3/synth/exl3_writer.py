@@ -27,6 +27,11 @@ HF_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
+# MoE architectures: expert block name, (up, gate, down) projection names, intermediate-size field
+_MOE_LAYOUT = {
+    "qwen3_moe": ("mlp", ("up_proj", "gate_proj", "down_proj"), "moe_intermediate_size"),
+    "mixtral": ("block_sparse_moe", ("w3", "w1", "w2"), "intermediate_size"),
+}
 _CODEBOOK_STD = {Codebook.INST3: 1.2437, Codebook.MCG: 1.2437, Codebook.MUL1: 1.0}
 _MAX_SHARD_BYTES = 4 << 30
 
@@ -107,20 +112,14 @@ def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[in
             yield f"{p}.self_attn.q_norm", "norm", (hd,)
             yield f"{p}.self_attn.k_norm", "norm", (hd,)
         yield f"{p}.post_attention_layernorm", "norm", (h,)
-        if arch == "qwen3_moe":
-            inter = dims.moe_intermediate_size
-            yield f"{p}.mlp.gate", "router", (dims.num_experts, h)
+        if arch in _MOE_LAYOUT:  # router, then each expert's up, gate, down (exllamav3's order)
+            block, (up, gate, down), inter_field = _MOE_LAYOUT[arch]
+            inter = getattr(dims, inter_field)
+            yield f"{p}.{block}.gate", "router", (dims.num_experts, h)
             for e in range(dims.num_experts):
-                yield f"{p}.mlp.experts.{e}.up_proj", "exl3", (h, inter)
-                yield f"{p}.mlp.experts.{e}.gate_proj", "exl3", (h, inter)
-                yield f"{p}.mlp.experts.{e}.down_proj", "exl3", (inter, h)
-        elif arch == "mixtral":
-            inter = dims.intermediate_size
-            yield f"{p}.block_sparse_moe.gate", "router", (dims.num_experts, h)
-            for e in range(dims.num_experts):
-                yield f"{p}.block_sparse_moe.experts.{e}.w3", "exl3", (h, inter)
-                yield f"{p}.block_sparse_moe.experts.{e}.w1", "exl3", (h, inter)
-                yield f"{p}.block_sparse_moe.experts.{e}.w2", "exl3", (inter, h)
+                yield f"{p}.{block}.experts.{e}.{up}", "exl3", (h, inter)
+                yield f"{p}.{block}.experts.{e}.{gate}", "exl3", (h, inter)
+                yield f"{p}.{block}.experts.{e}.{down}", "exl3", (inter, h)
         else:
             yield f"{p}.mlp.up_proj", "exl3", (h, dims.intermediate_size)
             yield f"{p}.mlp.gate_proj", "exl3", (h, dims.intermediate_size)
