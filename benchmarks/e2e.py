@@ -3,13 +3,14 @@ machine by the fixture writer, 2/3/4 bits) against the same weights dequantized 
 by SGLang with CUDA graphs. Decode tokens/s at batch 1, 8, 64; prefill tokens/s on 2048-token
 prompts; time to ready; GPU memory after load. Writes benchmarks/results/e2e-<gpu>.{json,md}.
 
-  python benchmarks/e2e.py [--bits 2,3,4] [--backend torch|exllamav3|triton] [--workdir /tmp/e2e]
+  python benchmarks/e2e.py [--bits 2,3,4] [--backend cuda|torch|exllamav3|triton] [--workdir /tmp/e2e]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import re
 import subprocess
 import sys
@@ -89,15 +90,15 @@ def main() -> int:
                             "--bits", str(bits), "--codebook", "mul1", "--seed", str(bits)], check=True)
         rows.append(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"],
                                       {"SGLANG_EXL3_BACKEND": args.backend}, work, 32000 + i))
-        print(rows[-1], flush=True)
+        print("ROW " + json.dumps(rows[-1]), flush=True)  # survives a run cut short
         if i == 0 and not args.skip_bf16:
             dense = work / "llama3-8b-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
-            rows.append(serve_and_measure(dense, "bf16 (dequantized 2 bpw twin)", ["--dtype", "bfloat16"], {},
-                                          work, 32100))
-            print(rows[-1], flush=True)
+            rows.append(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"],
+                                          {}, work, 32100))
+            print("ROW " + json.dumps(rows[-1]), flush=True)
     cols = ["model", "ready_s", "weights_gb", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES], "prefill_tok_s"]
     write_results("e2e", head, rows, cols)
     return 0

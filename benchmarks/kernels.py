@@ -1,29 +1,38 @@
-"""EXL3 GEMM kernels on real model shapes: ours (Triton), exllamav3's exl3_gemm, bf16 cuBLAS, HBM roofline.
+"""EXL3 GEMM kernels on real model shapes: ours (CUDA), exllamav3's exl3_gemm, bf16 cuBLAS, HBM roofline.
 
-One run on the GPU machine; writes benchmarks/results/kernels-<gpu>.{json,md,png}.
-Weights rotate over enough copies to exceed L2 (an H200 has 50 MB), activations too.
+Every time is a CUDA-graph replay median (benchmarks.common.graph_us), measured side by side in one run;
+each call in a graph reads its own copy of the weights, with enough copies to exceed the 50 MB L2.
+"ours" is the product's path for that m (fused decode GEMM up to the crossover, else reconstruct + cuBLAS);
+both paths are also recorded where both apply, to choose the crossover from data.
 
-  python benchmarks/kernels.py [--quick] [--ext-path DIR]   (needs CUDA; exllamav3 column only with its extension)
+  python benchmarks/kernels.py [--quick] [--shapes 0,1] [--ext-path DIR] [--tune]
+  python benchmarks/kernels.py --merge a.json b.json ...   (one table from runs split over calls)
+
+Writes benchmarks/results/kernels-<gpu>.{json,md,png} (suffixed for --quick / --shapes runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import copy_bandwidth, header, median_us, write_results  # noqa: E402
-from sglang_exl3.codec.hadamard import had_r_128  # noqa: E402
+from benchmarks.common import copy_bandwidth, graph_us, header, write_results  # noqa: E402
 from sglang_exl3.format import Codebook  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (5120, 27648), (4096, 151936)]
 MS = [1, 2, 4, 8, 16, 32, 64, 256, 2048]
 BITS = [2, 3, 4, 5, 6, 8]
 CODEBOOKS = [Codebook.MUL1, Codebook.MCG, Codebook.INST3]
-L2_BYTES = 256 << 20  # rotate over at least this many bytes of weights
+ROTATE_BYTES = 150 << 20  # weights touched per graph: 3x the H200's 50 MB L2
+EXLLAMAV3_GEMM_MAX_M = 144  # exllamav3 switches from exl3_gemm to reconstruct + cuBLAS above this
+COLUMNS = ["k", "n", "m", "bits", "codebook", "ours_us", "exllamav3_us", "bf16_us", "roofline_us",
+           "ours_pct_roofline", "speedup_vs_exllamav3", "ours_fused_us", "ours_reconstruct_us"]
 
 
 def _exllamav3_ext(path: str | None):
@@ -39,44 +48,105 @@ def _exllamav3_ext(path: str | None):
         return None
 
 
-def bench_shape(k: int, n: int, m: int, bits: int, cb: Codebook, bw: float, ext) -> dict:
-    from sglang_exl3.kernels.triton_trellis import triton_gemm_rotated
+def _copies(nbytes: int) -> int:
+    return max(2, min(96, math.ceil(ROTATE_BYTES / nbytes)))
 
-    words = bits * 16
-    t_bytes = k * n * bits // 8
-    copies = max(1, min(16, L2_BYTES // max(1, t_bytes)))
-    trellis = [torch.randint(-32768, 32768, (k // 16, n // 16, words), dtype=torch.int16, device="cuda")
-               for _ in range(copies)]
-    suh = (torch.randn(k, device="cuda") * 0.05).half()
-    svh = (torch.randn(n, device="cuda") * 0.05).half()
-    xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
-    row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label}
 
-    def ours(i):
-        xh = had_r_128(xs[i % 4], pre_scale=suh)
-        acc = triton_gemm_rotated(xh, trellis[i % copies], cb)
-        return had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
+class Weights:
+    """Random trellis copies for one (shape, bits), shared by every m and codebook."""
 
-    row["ours_us"] = median_us(ours, rotations=copies * 4)
+    def __init__(self, k: int, n: int, bits: int):
+        self.t_bytes = k * n * bits // 8
+        self.copies = _copies(self.t_bytes)
+        from sglang_exl3.kernels.cuda_trellis import prepare
+
+        self.trellis = [torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), dtype=torch.int16,
+                                      device="cuda") for _ in range(self.copies)]
+        self.tiles = [prepare(t) for t in self.trellis]  # our kernels' layout (same bytes, transposed tiles)
+        self.suh = (torch.randn(k, device="cuda") * 0.05).half()
+        self.svh = (torch.randn(n, device="cuda") * 0.05).half()
+
+
+def _time_or_none(fn, rotations: int) -> float | None:
+    try:
+        return graph_us(fn, rotations=rotations, calls=rotations)
+    except Exception as e:  # noqa: BLE001 - recorded as a missing value, with the reason printed
+        print(f"  timing failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, bf16_us, bw, fused_max_m) -> dict:
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label, "bf16_us": bf16_us}
+    c = w.copies
+
+    def ours(path):
+        return lambda i: ck.exl3_linear(xs[i % 4], w.tiles[i % c], w.suh, w.svh, cb, path=path)
+
+    if m <= ck.FUSED_MAX_M:
+        row["ours_fused_us"] = _time_or_none(ours("fused"), c)
+    if m >= 16:
+        row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct"), c)
+    row["ours_us"] = row.get("ours_fused_us") if m <= fused_max_m else row.get("ours_reconstruct_us")
     if ext is not None:
         outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2)]
         had = [torch.empty_like(x) for x in xs]
+        mcg, mul1 = cb == Codebook.MCG, cb == Codebook.MUL1
 
         def theirs(i):
-            ext.exl3_gemm(xs[i % 4], trellis[i % copies], outs[i % 2], suh, had[i % 4], svh, -1,
-                          cb == Codebook.MCG, cb == Codebook.MUL1, 0)
+            if m <= EXLLAMAV3_GEMM_MAX_M:  # exllamav3's own dispatch: exl3_gemm for small m ...
+                ext.exl3_gemm(xs[i % 4], w.trellis[i % c], outs[i % 2], w.suh, had[i % 4], w.svh, -1, mcg, mul1, 0)
+            else:  # ... LinearEXL3.reconstruct_hgemm above 144 rows
+                ext.had_r_128(xs[i % 4], had[i % 4], w.suh, None, 1.0)
+                wt = torch.empty(k, n, dtype=torch.float16, device="cuda")
+                ext.reconstruct(wt, w.trellis[i % c], bits, mcg, mul1)
+                torch.matmul(had[i % 4], wt, out=outs[i % 2])
+                ext.had_r_128(outs[i % 2], outs[i % 2], None, w.svh, 1.0)
 
-        row["exllamav3_us"] = median_us(theirs, rotations=copies * 4)
-    w_copies = max(1, min(4, L2_BYTES // (k * n * 2)))
-    ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(w_copies)]
-    xb = [x.bfloat16() for x in xs]
-    row["bf16_us"] = median_us(lambda i: xb[i % 4] @ ws[i % w_copies], rotations=w_copies * 4)
-    row["roofline_us"] = (t_bytes + m * k * 2 + m * n * 2) / bw * 1e6
-    for name in ("ours_us", "exllamav3_us"):
-        if name in row:
-            row[name.replace("_us", "_pct_roofline")] = 100 * row["roofline_us"] / row[name]
-    torch.cuda.empty_cache()
+        row["exllamav3_us"] = _time_or_none(theirs, c)
+    row["roofline_us"] = (w.t_bytes + m * k * 2 + m * n * 2) / bw * 1e6
+    if row.get("ours_us"):
+        row["ours_pct_roofline"] = 100 * row["roofline_us"] / row["ours_us"]
+        if row.get("exllamav3_us"):
+            row["speedup_vs_exllamav3"] = row["exllamav3_us"] / row["ours_us"]
     return row
+
+
+def bf16_time(k: int, n: int, m: int, xs) -> float | None:
+    copies = _copies(k * n * 2)
+    ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    xb = [x.bfloat16() for x in xs]
+    return _time_or_none(lambda i: xb[i % 4] @ ws[i % copies], copies)
+
+
+def _tune_one(k: int, n: int, bits: int, bw: float) -> list[dict]:
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    w = Weights(k, n, bits)
+    xs = [torch.randn(1, k, device="cuda").half() for _ in range(4)]
+    rows = []
+    for wps in (8, 16, 24, 32, 48, 64, 96):
+        splits = ck.default_splits(k // 16, n // 16, xs[0].device, warps_per_sm=wps)
+
+        def fn(i, s=splits):
+            return ck.exl3_linear(xs[i % 4], w.tiles[i % w.copies], w.suh, w.svh, Codebook.MCG, splits=s,
+                                  path="fused")
+
+        rows.append({"k": k, "n": n, "bits": bits, "warps_per_sm": wps, "splits": splits,
+                     "us": _time_or_none(fn, w.copies), "roofline_us": w.t_bytes / bw * 1e6})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def tune(bw: float) -> list[dict]:
+    """Split-K occupancy sweep at m = 1 (warps per SM the default split count aims for)."""
+    rows = []
+    for k, n in SHAPES[:5]:
+        for bits in (2, 4, 6):
+            rows += _tune_one(k, n, bits, bw)
+            torch.cuda.empty_cache()
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -88,55 +158,121 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         return
     sel = [r for r in rows if r["k"] == 4096 and r["n"] == 14336 and r["bits"] == 4]
+    if not sel:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     for cb in sorted({r["codebook"] for r in sel}):
         rs = sorted((r for r in sel if r["codebook"] == cb), key=lambda r: r["m"])
-        ax.plot([r["m"] for r in rs], [r["ours_us"] for r in rs], "o-", label=f"ours {cb}")
-        if rs and "exllamav3_us" in rs[0]:
-            ax.plot([r["m"] for r in rs], [r["exllamav3_us"] for r in rs], "s--", label=f"exllamav3 {cb}")
+        ax.plot([r["m"] for r in rs], [r.get("ours_us") for r in rs], "o-", label=f"ours {cb}")
+        if any(r.get("exllamav3_us") for r in rs):
+            ax.plot([r["m"] for r in rs], [r.get("exllamav3_us") for r in rs], "s--", label=f"exllamav3 {cb}")
     rs = sorted((r for r in sel if r["codebook"] == "mul1"), key=lambda r: r["m"])
     ax.plot([r["m"] for r in rs], [r["bf16_us"] for r in rs], "k:", label="bf16 cuBLAS")
     ax.plot([r["m"] for r in rs], [r["roofline_us"] for r in rs], "g-.", label="HBM roofline (4 bpw)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rows m")
-    ax.set_ylabel("µs")
-    ax.set_title("4096 x 14336, 4 bits")
+    ax.set_ylabel("µs per call (CUDA-graph replay)")
+    ax.set_title("4096 x 14336, 4 bits: EXL3 GEMM on the H200")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
 
 
+def with_crossover(rows: list[dict], crossover: int) -> list[dict]:
+    """Re-derive "ours" for another fused/reconstruct crossover from the two measured path columns."""
+    for r in rows:
+        ours = r.get("ours_fused_us") if r["m"] <= crossover else r.get("ours_reconstruct_us")
+        if ours is None:
+            continue
+        r["ours_us"] = ours
+        r["ours_pct_roofline"] = 100 * r["roofline_us"] / ours
+        if r.get("exllamav3_us"):
+            r["speedup_vs_exllamav3"] = r["exllamav3_us"] / ours
+    return rows
+
+
+def merge(paths: list[str], header_json: str | None = None, crossover: int | None = None) -> int:
+    """Results JSON files, or logs of runs holding 'ROW {...}' lines (header from the first JSON or --header)."""
+    parts, rows = [], []
+    for p in paths:
+        text = Path(p).read_text()
+        if text.lstrip().startswith("{"):
+            parts.append(json.loads(text))
+            rows += parts[-1]["rows"]
+        else:
+            rows += [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ROW ")]
+    head = dict(parts[0]["header"]) if parts else {}
+    if header_json:
+        head.update(json.loads(Path(header_json).read_text()))
+    if parts:
+        head["command"] = " + ".join(p["header"]["command"] for p in parts)
+    seen, unique = set(), []
+    for r in rows:
+        key = (r["k"], r["n"], r["m"], r["bits"], r["codebook"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    rows = unique
+    if crossover is not None:
+        rows = with_crossover(rows, crossover)
+        head["fused_max_m"] = crossover
+    out = write_results("kernels", head, rows, COLUMNS)
+    plot(rows, out.with_suffix(".png"))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="one shape family, m <= 16, 2 and 4 bits")
+    ap.add_argument("--quick", action="store_true", help="three shapes, m in 1/4/16/64, 2 and 4 bits")
     ap.add_argument("--ext-path", default=None, help="folder holding a built exllamav3_ext")
     ap.add_argument("--shapes", default=None, help="comma-separated indexes into SHAPES (split a run over calls)")
+    ap.add_argument("--bits", default=None, help="comma-separated bitrates (default: all)")
+    ap.add_argument("--tune", action="store_true", help="split-K sweep at m = 1 instead of the table")
+    ap.add_argument("--merge", nargs="+", help="merge results (JSON, or logs with ROW lines) of split runs")
+    ap.add_argument("--header", default=None, help="with --merge: JSON file of header fields")
+    ap.add_argument("--crossover", type=int, default=None, help="with --merge: re-derive ours_us for this crossover")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.header, args.crossover)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    ck.load_library(build=True)
     head = header(sys.argv)
     bw = copy_bandwidth()
     head["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+    head["kernel_library"] = str(ck.library_path())
+    if args.tune:
+        rows = tune(bw)
+        write_results("kernels-tune", head, rows, ["k", "n", "bits", "warps_per_sm", "splits", "us", "roofline_us"])
+        return 0
     ext = _exllamav3_ext(args.ext_path)
-    shapes, ms, bits_list = (SHAPES[:3], [1, 4, 16], [2, 4]) if args.quick else (SHAPES, MS, BITS)
+    shapes, ms, bits_list = (SHAPES[:3], [1, 4, 16, 64], [2, 4]) if args.quick else (SHAPES, MS, BITS)
     if args.shapes:
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.bits:
+        bits_list = [int(b) for b in args.bits.split(",")]
+    fused_max_m = ck.FUSED_CROSSOVER_M
+    head["fused_max_m"] = fused_max_m
     rows = []
     for k, n in shapes:
-        for m in ms:
-            for bits in bits_list:
+        bf16 = {m: bf16_time(k, n, m, [torch.randn(m, k, device="cuda").half() for _ in range(4)]) for m in ms}
+        for bits in bits_list:
+            w = Weights(k, n, bits)
+            for m in ms:
+                xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
                 for cb in CODEBOOKS:
-                    rows.append(bench_shape(k, n, m, bits, cb, bw, ext))
-                    r = rows[-1]
-                    print(f"{k}x{n} m={m} K={bits} {cb.label}: ours {r['ours_us']:.1f} exl3 "
-                          f"{r.get('exllamav3_us', float('nan')):.1f} bf16 {r['bf16_us']:.1f} roof "
-                          f"{r['roofline_us']:.1f} us", flush=True)
-    cols = ["k", "n", "m", "bits", "codebook", "ours_us", "exllamav3_us", "bf16_us", "roofline_us",
-            "ours_pct_roofline"]
-    tag = "kernels" if not (args.quick or args.shapes) else f"kernels-{'quick' if args.quick else args.shapes}"
-    path = write_results(tag, head, rows, cols)
+                    r = bench_row(k, n, m, bits, cb, w, xs, ext, bf16[m], bw, fused_max_m)
+                    rows.append(r)
+                    print("ROW " + json.dumps(r), flush=True)  # survives a run cut short (merge with --rows)
+            del w
+            torch.cuda.empty_cache()
+    tag = "kernels" if not (args.quick or args.shapes or args.bits) else \
+        "kernels-" + ("quick" if args.quick else f"s{args.shapes or 'all'}-b{args.bits or 'all'}").replace(",", "")
+    path = write_results(tag, head, rows, COLUMNS)
     plot(rows, path.with_suffix(".png"))
     return 0
 

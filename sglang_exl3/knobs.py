@@ -63,8 +63,10 @@ class Knob:
 
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
-    Knob("BACKEND", "auto", "choice", ("auto", "triton", "exllamav3", "torch"),
-         "dense GEMM backend: auto = our kernels, else exllamav3's extension, else the torch reference"),
+    Knob("BACKEND", "auto", "choice", ("auto", "cuda", "triton", "exllamav3", "torch"),
+         "dense GEMM backend: auto = our CUDA kernels if built, else a prebuilt exllamav3 extension, else the "
+         "torch reference"),
+    Knob("KERNEL_LIB", None, "path", help="prebuilt libexl3_trellis .so (else the per-user build cache)"),
     Knob("EXT_PATH", None, "path", help="folder or .so of a prebuilt exllamav3_ext to import",
          vllm_name="VLLM_EXL3_EXT_PATH"),
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",

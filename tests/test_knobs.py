@@ -13,7 +13,7 @@ def test_defaults_and_blank_means_unset():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"SGLANG_EXL3_BACKEND": "cuda"}, "SGLANG_EXL3_BACKEND must be one of auto, triton, exllamav3, torch"),
+    ({"SGLANG_EXL3_BACKEND": "cutlass"}, "SGLANG_EXL3_BACKEND must be one of auto, cuda, triton, exllamav3, torch"),
     ({"SGLANG_EXL3_TRELLIS_MAX_M": "lots"},
      "SGLANG_EXL3_TRELLIS_MAX_M must be a positive integer or unset, got 'lots'"),
     ({"SGLANG_EXL3_TRELLIS_BLOCK_M": "0"}, "SGLANG_EXL3_TRELLIS_BLOCK_M must be positive, got 0"),
@@ -51,4 +51,7 @@ def test_backend_resolution_on_cpu(monkeypatch):
         resolve_backend(torch.device("cpu"))
     monkeypatch.setenv("SGLANG_EXL3_BACKEND", "triton")
     with pytest.raises(BackendUnavailable, match="triton needs a CUDA device"):
+        resolve_backend(torch.device("cpu"))
+    monkeypatch.setenv("SGLANG_EXL3_BACKEND", "cuda")
+    with pytest.raises(BackendUnavailable, match="cuda needs a CUDA device"):
         resolve_backend(torch.device("cpu"))

@@ -33,31 +33,63 @@ def _dispatch(x, weights, ids):
                                   topk_output=StandardTopKOutput(weights, ids, torch.zeros(x.shape[0], 4)))
 
 
-@pytest.mark.parametrize("name, block, roles", MOE_CKPTS, ids=[c[0] for c in MOE_CKPTS])
-def test_moe_layers_match_reference(name, block, roles):
+def _reference_moe(ckpt, i, block, roles, x, weights, ids):
+    want = torch.zeros(x.shape[0], 256)
+    for m in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[m, k])
+            p = f"model.layers.{i}.{block}.experts.{e}"
+            xm = x[m : m + 1]
+            gate, up = (_expert_ref(ckpt, f"{p}.{r}", xm) for r in roles[:2])
+            h = torch.nn.functional.silu(gate) * up
+            want[m] += weights[m, k] * _expert_ref(ckpt, f"{p}.{roles[2]}", h.half())[0]
+    return want
+
+
+def _check_layers(name, block, roles, rows=6):
     path = DATA / "exllamav3" / name
     model, cfg = load_model(path)
     ckpt = load_checkpoint(path)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(rows)
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer, block).experts
         assert type(experts.quant_method).__name__ == "Exl3MoEMethod"
-        x = torch.randn(6, 256, generator=gen).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]).to(torch.int32)
-        weights = torch.rand(6, 2, generator=gen)
+        x = torch.randn(rows, 256, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(rows)]).to(torch.int32)
+        weights = torch.rand(rows, 2, generator=gen)
         out = experts.quant_method.apply(experts, _dispatch(x, weights, ids)).hidden_states
-        want = torch.zeros(6, 256)
-        for m in range(6):
-            for k in range(2):
-                e = int(ids[m, k])
-                p = f"model.layers.{i}.{block}.experts.{e}"
-                xm = x[m : m + 1]
-                gate, up = (_expert_ref(ckpt, f"{p}.{r}", xm) for r in roles[:2])
-                h = torch.nn.functional.silu(gate) * up
-                want[m] += weights[m, k] * _expert_ref(ckpt, f"{p}.{roles[2]}", h.half())[0]
-        assert out.shape == (6, 256) and out.dtype == torch.bfloat16
+        want = _reference_moe(ckpt, i, block, roles, x, weights, ids)
+        assert out.shape == (rows, 256) and out.dtype == torch.bfloat16
         assert ((out.float() - want).norm() / want.norm()) < 1e-2, (name, i)
+    return model, cfg, ckpt
+
+
+@pytest.mark.parametrize("name, block, roles", MOE_CKPTS, ids=[c[0] for c in MOE_CKPTS])
+def test_moe_layers_match_reference(name, block, roles):
+    model, cfg, ckpt = _check_layers(name, block, roles)
     assert cfg.claimed == set(ckpt.modules)
+
+
+@pytest.mark.parametrize("rows, path", [(2, "parity"), (6, "decode"), (9, "prefill")])
+def test_every_dispatch_path_matches_reference(monkeypatch, rows, path):
+    """MIN_M=4, MAX_M=8, prefill capacity = the scheduler bound: 2 rows take the eager parity path (routed
+    experts only), 6 the decode plan, 9 the prefill plan; all must give the same MoE output."""
+    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MIN_M", "4")
+    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MAX_M", "8")
+    name, block, roles = MOE_CKPTS[0]
+    model, _, _ = _check_layers(name, block, roles, rows=rows)
+    experts = model.model.layers[0].mlp.experts
+    assert [seg[0] for seg in experts.exl3_plan.segments(rows, False, "x", "target")] == [path]
+    assert experts.exl3_role == "target"
+
+
+def test_bad_plan_knobs_fail_the_load(monkeypatch):
+    from sglang_exl3.runtime import MoEPlanError
+
+    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MIN_M", "20")
+    monkeypatch.setenv("SGLANG_EXL3_PREFILL_CHUNK", "16")
+    with pytest.raises(MoEPlanError, match="SGLANG_EXL3_PREFILL_CHUNK \\(16\\) cannot cover the EXL3 parity window"):
+        load_model(DATA / "exllamav3" / MOE_CKPTS[0][0])
 
 
 def test_expert_parallel_rank_keeps_only_its_experts():
@@ -95,3 +127,18 @@ def test_moe_tp_slice_must_be_128_aligned():
         with pytest.raises(Exl3SliceError, match=r"intermediate size per rank \(64\).*Use expert parallelism"):
             FusedMoE(num_experts=4, top_k=2, hidden_size=256, intermediate_size=256, layer_id=0,
                      quant_config=cfg, prefix="model.layers.0.mlp.experts")
+
+
+def test_plan_bound_comes_from_the_published_server_args():
+    from sglang.srt.server_args import get_global_server_args
+
+    from sglang_exl3.layers.moe import scheduler_token_bound
+
+    model, cfg = load_model(DATA / "exllamav3" / MOE_CKPTS[0][0])
+    args = get_global_server_args()
+    bound = scheduler_token_bound(cfg)
+    assert model.model.layers[0].mlp.experts.exl3_plan.max_batched == bound
+    assert bound >= (args.max_prefill_tokens or 0) and bound >= (args.chunked_prefill_size or 0) > 0 or \
+        bound >= (args.context_length or cfg.checkpoint.config["max_position_embeddings"])
+    same_scope = [layer.mlp.experts.exl3_plan for layer in model.model.layers]
+    assert all(p is same_scope[0] for p in same_scope)  # one plan per model scope and role

@@ -51,6 +51,18 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(port=args.port, workdir=args.workdir)
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    from sglang_exl3.kernels.cuda_trellis import KernelLibraryUnavailable, build_library
+
+    try:
+        path = build_library(out=args.out, arch=args.arch, verbose=args.verbose)
+    except KernelLibraryUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"built {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_exl3", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -76,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_write_fixture)
+    b = sub.add_parser("build-kernels", help="compile the EXL3 CUDA kernels with nvcc (once per GPU arch)")
+    b.add_argument("--arch", default=None, help="e.g. 90 or sm_90 (default: this GPU's, else 90)")
+    b.add_argument("--out", default=None, help="where to write the .so (default: the per-user cache, which the "
+                   "server finds; elsewhere, point SGLANG_EXL3_KERNEL_LIB at it)")
+    b.add_argument("--verbose", action="store_true", help="print ptxas register and spill reports")
+    b.set_defaults(func=_build_kernels)
     m = sub.add_parser("demo", help="serve a small EXL3 model with SGLang and chat with it (needs a GPU)")
     m.add_argument("--port", type=int, default=30117)
     m.add_argument("--workdir", default=None, help="where to write the checkpoint and the server log")

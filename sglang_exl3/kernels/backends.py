@@ -18,6 +18,7 @@ class Backend(enum.IntEnum):
     TORCH = 0
     EXLLAMAV3 = 1
     TRITON = 2
+    CUDA = 3
 
 
 class BackendUnavailable(RuntimeError):
@@ -47,12 +48,26 @@ def load_exllamav3_ext():
     return ext
 
 
+def _load_our_kernels(build: bool):
+    from sglang_exl3.kernels.cuda_trellis import KernelLibraryUnavailable, load_library
+
+    try:
+        return load_library(build)
+    except KernelLibraryUnavailable as e:
+        raise BackendUnavailable(str(e)) from e
+
+
 def resolve_backend(device: torch.device) -> Backend:
     """The backend the knob asks for, checked against what this device and install can run."""
     choice = knobs.get("BACKEND")
     if choice == "torch":
         return Backend.TORCH
     cuda = torch.device(device).type == "cuda"
+    if choice == "cuda":
+        if not cuda:
+            raise BackendUnavailable("SGLANG_EXL3_BACKEND=cuda needs a CUDA device")
+        _load_our_kernels(build=True)
+        return Backend.CUDA
     if choice == "triton":  # explicit only until measured on the GPU (auto does not pick it yet)
         if not cuda:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=triton needs a CUDA device")
@@ -62,9 +77,16 @@ def resolve_backend(device: torch.device) -> Backend:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=exllamav3 needs a CUDA device")
         load_exllamav3_ext()
         return Backend.EXLLAMAV3
-    # auto: exllamav3 only when its extension is already built (SGLANG_EXL3_EXT_PATH or a prebuilt
+    # auto: our kernels when already built (building is explicit: `python -m sglang_exl3 build-kernels`);
+    # exllamav3 only when its extension is already built (SGLANG_EXL3_EXT_PATH or a prebuilt
     # exllamav3_ext module); importing exllamav3 otherwise starts a JIT build of several minutes,
     # which a serving process must never do implicitly.
+    if cuda and torch.cuda.get_device_capability(device)[0] >= 8:
+        try:
+            _load_our_kernels(build=False)
+            return Backend.CUDA
+        except BackendUnavailable:
+            pass
     if cuda and (knobs.get("EXT_PATH") or importlib.util.find_spec("exllamav3_ext") is not None):
         try:
             load_exllamav3_ext()

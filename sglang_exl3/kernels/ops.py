@@ -45,12 +45,22 @@ def _triton_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh:
     return had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
 
 
+def _cuda_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+               codebook: int) -> torch.Tensor:
+    from sglang_exl3.kernels.cuda_trellis import exl3_linear
+
+    return exl3_linear(x, trellis, suh, svh, Codebook(codebook))
+
+
 @torch.library.custom_op("exl3::gemm", mutates_args=())
 def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
               w_hat: torch.Tensor | None, codebook: int, backend: int) -> torch.Tensor:
-    """x: fp16 [m, K] contiguous; trellis int16 [K/16, N/16, 16*bits]; suh fp16 [K]; svh fp16 [N]."""
+    """x: fp16 [m, K] contiguous; trellis int16 [K/16, N/16, 16*bits] (for Backend.CUDA: [N/16, K/16, 16*bits],
+    see cuda_trellis.prepare); suh fp16 [K]; svh fp16 [N]."""
     if backend == Backend.EXLLAMAV3:
         return _exllamav3_gemm(x, trellis, suh, svh, codebook)
+    if backend == Backend.CUDA:
+        return _cuda_gemm(x, trellis, suh, svh, codebook)
     if backend == Backend.TRITON:
         return _triton_gemm(x, trellis, suh, svh, codebook)
     return _torch_gemm(x, trellis, suh, svh, w_hat, codebook)
@@ -58,4 +68,5 @@ def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 @exl3_gemm.register_fake
 def _(x, trellis, suh, svh, w_hat, codebook, backend):
-    return x.new_empty((x.shape[0], trellis.shape[1] * 16), dtype=torch.float16)
+    n_tiles = trellis.shape[0] if backend == Backend.CUDA else trellis.shape[1]
+    return x.new_empty((x.shape[0], n_tiles * 16), dtype=torch.float16)

@@ -51,10 +51,11 @@ class Exl3Shard:
     codebook: Codebook
     out_features: int  # logical columns this shard contributes on this rank
     w_hat: torch.Tensor | None = None
+    kernel_layout: bool = False  # trellis is in our CUDA kernels' [N/16, K/16, words] layout
 
     @property
     def in_features(self) -> int:
-        return self.trellis.shape[0] * 16
+        return self.trellis.shape[1 if self.kernel_layout else 0] * 16
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,16 @@ def build_shard(record: Exl3ModuleRecord, got: dict[str, torch.Tensor], layer_pr
 
 
 def cache_decoded(shards, backend: Backend) -> None:
-    """The torch backend decodes each trellis once at load; its forward is then two rotations and a matmul."""
-    if backend == Backend.TORCH:
-        for shard in shards:
+    """Per-backend load-time preparation. The torch backend decodes each trellis once (its forward is then two
+    rotations and a matmul); our CUDA kernels take the trellis with each column strip's tiles contiguous."""
+    for shard in shards:
+        if backend == Backend.TORCH:
             shard.w_hat = reconstruct(shard.trellis, shard.codebook)
+        elif backend == Backend.CUDA and not shard.kernel_layout:
+            from sglang_exl3.kernels.cuda_trellis import prepare
+
+            shard.trellis = prepare(shard.trellis)
+            shard.kernel_layout = True
 
 
 def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torch.Tensor:

@@ -7,9 +7,12 @@ experts are dropped) and keeps each expert's matrices apart (own suh/svh/codeboo
 `process_weights_after_loading` validates them against the checkpoint records and slices the
 intermediate dimension for MoE tensor parallelism in 128-element units.
 
-Forward (reference path, until the grouped trellis kernels exist): every local expert runs on all
-rows through `torch.ops.exl3.gemm`, weighted by its routing weight (zero where not selected). No
-host sync and fixed shapes, so it is CUDA-graph capturable; it costs E x the dense FLOPs.
+Forward: the model's MoE dispatch plan (`sglang_exl3.runtime.moe_plan`, built once per model scope and
+role after loading, knobs validated then) sends a batch of m rows to the decode plan, the prefill plan (in
+slices of its capacity) or the eager parity path. Until the grouped trellis kernels exist, the decode and
+prefill plans run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing
+weight (no host sync, fixed shapes: CUDA-graph capturable, E x the dense FLOPs); the parity path runs only
+the routed experts on their rows (data-dependent shapes: eager only, and refused during graph capture).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from sglang_exl3.layers.linear import (
     run_shard,
 )
 from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
+
+PARITY = "parity"  # sglang_exl3.runtime.moe_plan.PARITY (imported lazily with the plan)
 
 ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
 GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
@@ -75,6 +80,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.config is not None:
             self.config.check_all_claimed()
+        self._attach_plan(layer)
         device = layer.w13_trellis.device
         backend = resolve_backend(device)
         local = {}
@@ -99,6 +105,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         for group in GROUPS:
             release_placeholders(layer, device, group)
 
+    def _attach_plan(self, layer: torch.nn.Module) -> None:
+        """The model's dispatch plan (one per config scope and role; knob errors surface here, at load)."""
+        from sglang_exl3.runtime.moe_plan import PLANS, build_moe_plan, layer_role
+
+        layer.exl3_role = layer_role(self.prefix, getattr(layer, "exl3_is_draft", None))
+        owner = self.config if self.config is not None else layer
+        layer.exl3_plan = PLANS.plan_for(owner, layer.exl3_role,
+                                         lambda: build_moe_plan(scheduler_token_bound(self.config)))
+
     def _build(self, layer, global_e: int, role: str, cut: Exl3Slice, device) -> Exl3Shard:
         """gate/up keep this rank's intermediate columns, down its intermediate rows."""
         record = self.records[(global_e, role)]
@@ -111,17 +126,59 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         x16 = x.reshape(-1, x.shape[-1]).to(torch.float16)
-        where = f"EXL3 MoE {self.prefix}"
-        act = torch.nn.functional.silu if self.moe_runner_config.activation == "silu" else \
-            (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
-        for e, shards in enumerate(layer.exl3_experts):
-            weight = (topk_weights.float() * (topk_ids == e)).sum(-1)  # 0 where expert e is not routed
-            gate = run_shard(x16, shards["w1"], layer.exl3_backend, where).float()
-            up = run_shard(x16, shards["w3"], layer.exl3_backend, where).float()
-            hidden = (act(gate) * up).to(torch.float16)
-            out += weight[:, None] * run_shard(hidden, shards["w2"], layer.exl3_backend, where).float()
+        for path, r0, r1 in layer.exl3_plan.segments(x16.shape[0], capturing, self.prefix, layer.exl3_role):
+            run = self._all_experts if path != PARITY else self._routed_experts
+            out[r0:r1] = run(layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None:
             out *= scale
         return StandardCombineInput(hidden_states=out.to(x.dtype))
+
+    def _expert(self, layer, e: int, x16: torch.Tensor) -> torch.Tensor:
+        """fp32 down(act(gate(x)) * up(x)) of local expert e."""
+        shards, where = layer.exl3_experts[e], f"EXL3 MoE {self.prefix}"
+        gate = run_shard(x16, shards["w1"], layer.exl3_backend, where).float()
+        up = run_shard(x16, shards["w3"], layer.exl3_backend, where).float()
+        if self.moe_runner_config.activation == "silu":
+            hidden = torch.nn.functional.silu(gate) * up
+        else:
+            hidden = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        return run_shard(hidden.to(torch.float16), shards["w2"], layer.exl3_backend, where).float()
+
+    def _all_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
+        """Capturable: every local expert on every row, weighted (0 where the expert is not routed)."""
+        out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x16.device)
+        for e in range(len(layer.exl3_experts)):
+            weight = (topk_weights.float() * (topk_ids == e)).sum(-1)
+            out += weight[:, None] * self._expert(layer, e, x16)
+        return out
+
+    def _routed_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
+        """Eager parity path: each routed expert on its own rows only (host sync on the routing)."""
+        out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x16.device)
+        for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: an expert on another EP rank
+            rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, topk_weights[rows, slot].float()[:, None] * self._expert(layer, e, x16[rows]))
+        return out
+
+
+def scheduler_token_bound(config=None) -> int:
+    """The most rows one forward can carry, from SGLang's server arguments: chunked-prefill and prefill budgets,
+    the captured graph sizes (decode batch x draft tokens), and, with chunked prefill off, the context length."""
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    draft_tokens = max(1, getattr(args, "speculative_num_draft_tokens", None) or 1)
+    bounds = [getattr(args, "max_prefill_tokens", None) or 0,
+              getattr(args, "cuda_graph_max_bs_prefill", None) or 0,
+              (getattr(args, "cuda_graph_max_bs_decode", None) or 0) * draft_tokens,
+              (getattr(args, "max_running_requests", None) or 0) * draft_tokens]
+    chunk = getattr(args, "chunked_prefill_size", None)
+    if chunk is not None and chunk > 0:
+        bounds.append(chunk)
+    else:  # one prompt may fill the context
+        hf = config.checkpoint.config if config is not None and getattr(config, "checkpoint", None) else {}
+        bounds.append(getattr(args, "context_length", None) or hf.get("max_position_embeddings") or 0)
+    return max(bounds)

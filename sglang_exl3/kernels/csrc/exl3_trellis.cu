@@ -1,0 +1,649 @@
+// EXL3 trellis kernels for sm_80+ (tuned on Hopper): bit-exact reconstruct, a fused decode GEMM for
+// small m, and the Hadamard-128 rotations around it. Plain C ABI (loaded with ctypes), no torch headers.
+//
+// Decode layout. A 16x16 tile's 256 positions are stored in mma.m16n8k16 B-fragment order: lane t owns
+// positions 8t..8t+7, which are (k, n) = (2(t%4) + {0,1} + 8{0,1}, t/4 + 8{0,1}). Read as the *A*
+// operand of W^T (rows = output features, cols = k), the same positions are exactly lane t's A fragment:
+// {p0,p1} = a0, {p4,p5} = a1, {p2,p3} = a2, {p6,p7} = a3. So each lane decodes its own 8 weights straight
+// into registers and the activations become the 8-column B operand (swap AB): no shuffles, no shared
+// memory, one mma per tile per 8 rows of x.
+//
+// Bit stream. With K2 = 2 * bits (bits may be x.5), a tile has 8*K2 int16 words; as little-endian
+// uint32 they are the stream's 32-bit words MSB first (the int16 pair swap undoes itself). Position p's
+// 16-bit state ends at bit floor((p+1)*K2/2) of a ring of 128*K2 bits. Lane t therefore needs bits
+// [4t*K2 + K2/2 - 16, 4t*K2 + 4*K2) of the ring: two to four words, whose offsets are fixed per lane.
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace {
+
+constexpr int kWarps = 4;  // warps per block in the GEMM and reconstruct kernels
+constexpr float kRScale = 0.088388347648f;  // exllamav3's fp32 literal for 1/sqrt(128)
+
+// ---- compile-time geometry of one lane's bits --------------------------------------------------
+
+__host__ __device__ constexpr int words32(int k2) { return 4 * k2; }
+__host__ __device__ constexpr int rel_end(int k2, int j) { return ((j + 1) * k2) / 2 - k2 / 2; }  // state j ends at base + 16 + this
+__host__ __device__ constexpr int span_bits(int k2) { return rel_end(k2, 7) + 16; }
+__host__ __device__ constexpr int lane_base(int k2, int t) { return 4 * t * k2 + k2 / 2 - 16; }
+__host__ __device__ constexpr int lane_off(int k2, int t) {
+  return ((lane_base(k2, t) % 32) + 32) % 32;
+}
+// words a lane must load (max over lanes), and words holding its bits once shifted to offset 0
+__host__ __device__ constexpr int load_words(int k2) {
+  int most = 0;
+  for (int t = 0; t < 32; ++t) {
+    int w = (lane_off(k2, t) + span_bits(k2) + 31) / 32;
+    most = w > most ? w : most;
+  }
+  return most;
+}
+__host__ __device__ constexpr int norm_words(int k2) { return (span_bits(k2) + 31) / 32; }
+// K2 % 8 == 0 (4 and 8 bits): every lane's bits start at the same offset inside its first word, so each
+// state's position in the loaded words is a constant and states can share 32-bit "views" (one funnel
+// shift each, free when word-aligned) from which a state is one SHF or PRMT (offset 0, 8 or 16 in the view).
+__host__ __device__ constexpr bool fixed_offset(int k2) { return k2 % 8 == 0; }
+__host__ __device__ constexpr int abs_pos(int k2, int j) { return lane_off(k2, 0) + rel_end(k2, j); }
+__host__ __device__ constexpr int view_start(int k2, int j) {
+  int cur[8] = {-99, -99, -99, -99, -99, -99, -99, -99};  // open view per residue mod 8
+  for (int i = 0; i <= j; ++i) {
+    const int a = abs_pos(k2, i), r = a % 8;
+    if (a - cur[r] > 16) {
+      int aligned = (a / 32) * 32;  // a word-aligned view costs nothing
+      cur[r] = (a - aligned == 0 || a - aligned == 8 || a - aligned == 16) ? aligned : a;
+    }
+  }
+  return cur[abs_pos(k2, j) % 8];
+}
+
+// ---- codebooks ---------------------------------------------------------------------------------
+
+template <int CB>
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  if constexpr (CB == 0) return x * 89226354u + 64248484u;  // 3INST
+  else if constexpr (CB == 1) return x * 0xCBAC1FEDu;       // MCG
+  else return x * 0x83DCD12Du;                              // MUL1
+}
+
+// (x & 0x8FFF8FFF) ^ 0x3B603B60 as one lop3 (written in C, ptxas splits it in two: one immediate each)
+__device__ __forceinline__ uint32_t mask_xor(uint32_t x) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(x), "r"(0x8FFF8FFFu), "r"(0x3B603B60u));
+  return r;
+}
+
+// Two 16-bit states -> half2 {value(a), value(b)}, bit-exact with exllamav3's decode_3inst_2.
+template <int CB>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t a, uint32_t b) {
+  a = mix<CB>(a);
+  b = mix<CB>(b);
+  half2 r;
+  if constexpr (CB == 2) {
+    uint32_t sa = __dp4a(a, 0x01010101u, 0x6400u);  // fp16 bits of 1024 + bytesum
+    uint32_t sb = __dp4a(b, 0x01010101u, 0x6400u);
+    uint32_t h = __byte_perm(sa, sb, 0x5410);
+    const half2 k_inv = __halves2half2(__ushort_as_half(0x1EEE), __ushort_as_half(0x1EEE));
+    const half2 k_bias = __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931));
+    r = __hfma2(*reinterpret_cast<half2*>(&h), k_inv, k_bias);
+  } else {
+    a = mask_xor(a);
+    b = mask_xor(b);
+    const half2 ha = *reinterpret_cast<half2*>(&a), hb = *reinterpret_cast<half2*>(&b);
+    const half2 sa = __hadd2(__low2half2(ha), __high2half2(ha));  // {lo+hi, lo+hi}
+    const half2 sb = __hadd2(__low2half2(hb), __high2half2(hb));
+    r = __lows2half2(sa, sb);
+  }
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// ---- state extraction --------------------------------------------------------------------------
+
+// 16 bits starting `pos` bits into the MSB-first buffer a[0..], zero-extended (pos is a constant).
+template <int POS, int NW>
+__device__ __forceinline__ uint32_t take16(const uint32_t (&a)[NW]) {
+  constexpr int w = POS / 32, o = POS % 32;
+  if constexpr (o == 0) return a[w] >> 16;
+  else if constexpr (o == 8) return __byte_perm(a[w], 0u, 0x4421);
+  else if constexpr (o == 16) return __byte_perm(a[w], 0u, 0x4410);
+  else if constexpr (o < 16) return (a[w] >> (16 - o)) & 0xFFFFu;
+  else return __funnelshift_r(a[w + 1], a[w], 48 - o) & 0xFFFFu;
+}
+
+// 32 bits starting S bits into the MSB-first words u[0..]
+template <int S, int NW>
+__device__ __forceinline__ uint32_t view32(const uint32_t (&u)[NW]) {
+  constexpr int w = S / 32, r = S % 32;
+  if constexpr (r == 0) return u[w];
+  else if constexpr (w + 1 < NW) return __funnelshift_l(u[w + 1], u[w], r);
+  else return u[w] << r;
+}
+
+// 16 bits at offset O in {0, 8, 16} of a view, zero-extended: one instruction
+template <int O>
+__device__ __forceinline__ uint32_t view_take16(uint32_t v) {
+  static_assert(O == 0 || O == 8 || O == 16, "view offsets are byte-aligned and leave 16 bits");
+  if constexpr (O == 0) return v >> 16;
+  else if constexpr (O == 8) return __byte_perm(v, 0u, 0x4421);
+  else return __byte_perm(v, 0u, 0x4410);
+}
+
+template <int K2, int J, int NW>
+__device__ __forceinline__ uint32_t fixed_state(const uint32_t (&u)[NW]) {
+  constexpr int s = view_start(K2, J);
+  return view_take16<abs_pos(K2, J) - s>(view32<s, NW>(u));
+}
+
+template <int K2>
+struct LaneBits {
+  static constexpr int kLoad = load_words(K2);
+  uint32_t idx[kLoad];  // word indexes inside the tile (ring order)
+  int off;         // bit offset of the lane's first bit inside word idx[0]
+
+  __device__ __forceinline__ explicit LaneBits(int lane) {
+    int base = lane_base(K2, lane) + 128 * K2;  // ring: lane 0 starts before bit 0
+    off = base & 31;
+    int w0 = base >> 5;
+#pragma unroll
+    for (int i = 0; i < kLoad; ++i) idx[i] = (w0 + i) % words32(K2);
+  }
+
+  // u[i] = word idx[i] of the tile whose first word is base[tile_word]
+  __device__ __forceinline__ void load(const uint32_t* __restrict__ base, uint32_t tile_word,
+                                       uint32_t (&u)[kLoad]) const {
+#pragma unroll
+    for (int i = 0; i < kLoad; ++i) u[i] = __ldg(base + (tile_word + idx[i]));
+  }
+
+  // Lane's 8 weights as the 4 A-fragment registers {p0p1, p4p5, p2p3, p6p7}.
+  template <int CB>
+  __device__ __forceinline__ void decode(const uint32_t (&u)[kLoad], uint32_t (&frag)[4]) const {
+    if constexpr (fixed_offset(K2)) {
+      frag[0] = decode_pair<CB>(fixed_state<K2, 0>(u), fixed_state<K2, 1>(u));
+      frag[1] = decode_pair<CB>(fixed_state<K2, 4>(u), fixed_state<K2, 5>(u));
+      frag[2] = decode_pair<CB>(fixed_state<K2, 2>(u), fixed_state<K2, 3>(u));
+      frag[3] = decode_pair<CB>(fixed_state<K2, 6>(u), fixed_state<K2, 7>(u));
+    } else {
+      decode_shifted<CB>(u, frag);
+    }
+  }
+
+  // Lanes start at different bit offsets: shift the loaded words to offset 0 first (one funnel shift per word).
+  template <int CB>
+  __device__ __forceinline__ void decode_shifted(const uint32_t (&u)[kLoad], uint32_t (&frag)[4]) const {
+    constexpr int kNorm = norm_words(K2);
+    uint32_t a[kNorm];
+#pragma unroll
+    for (int i = 0; i < kNorm; ++i) {
+      uint32_t next = i + 1 < kLoad ? u[i + 1] : 0u;
+      a[i] = __funnelshift_l(next, u[i], off);  // off == 0 gives u[i]
+    }
+    uint32_t s0 = take16<rel_end(K2, 0), kNorm>(a), s1 = take16<rel_end(K2, 1), kNorm>(a);
+    uint32_t s2 = take16<rel_end(K2, 2), kNorm>(a), s3 = take16<rel_end(K2, 3), kNorm>(a);
+    uint32_t s4 = take16<rel_end(K2, 4), kNorm>(a), s5 = take16<rel_end(K2, 5), kNorm>(a);
+    uint32_t s6 = take16<rel_end(K2, 6), kNorm>(a), s7 = take16<rel_end(K2, 7), kNorm>(a);
+    frag[0] = decode_pair<CB>(s0, s1);
+    frag[1] = decode_pair<CB>(s4, s5);
+    frag[2] = decode_pair<CB>(s2, s3);
+    frag[3] = decode_pair<CB>(s6, s7);
+  }
+};
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- reconstruct: W_hat fp16 [K, ld] (column tiles tn0 ..), from the kernel layout [N/16, K/16, words] --
+
+template <int K2, int CB>
+__global__ void __launch_bounds__(kWarps * 32) reconstruct_kernel(const uint32_t* __restrict__ trellis,
+                                                                  half* __restrict__ out, int k_tiles, int n_tiles,
+                                                                  int tn0, int tn_count, int ld) {
+  __shared__ __align__(16) half stage[kWarps][16][24];  // rows padded to 48 B (16-byte aligned)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x * kWarps + warp;
+  if (tile >= k_tiles * tn_count) return;
+  const int tk = tile / tn_count, tn_rel = tile % tn_count;
+  LaneBits<K2> bits(lane);
+  uint32_t u[LaneBits<K2>::kLoad], frag[4];
+  bits.load(trellis, (uint32_t)((tn0 + tn_rel) * k_tiles + tk) * words32(K2), u);
+  bits.template decode<CB>(u, frag);
+  const int g = lane >> 2, r = 2 * (lane & 3);
+  half(*s)[24] = stage[warp];
+  const half2* f = reinterpret_cast<const half2*>(frag);
+  s[r][g] = __low2half(f[0]);
+  s[r + 1][g] = __high2half(f[0]);
+  s[r][g + 8] = __low2half(f[1]);
+  s[r + 1][g + 8] = __high2half(f[1]);
+  s[r + 8][g] = __low2half(f[2]);
+  s[r + 9][g] = __high2half(f[2]);
+  s[r + 8][g + 8] = __low2half(f[3]);
+  s[r + 9][g + 8] = __high2half(f[3]);
+  __syncwarp();
+  const int row = lane >> 1, half_col = (lane & 1) * 8;
+  const uint4 v = *reinterpret_cast<const uint4*>(&s[row][half_col]);
+  *reinterpret_cast<uint4*>(out + (size_t)(tk * 16 + row) * ld + tn_rel * 16 + half_col) = v;
+}
+
+// ---- fused decode GEMM: partial[split, m, N] = xh[m, K-slice] @ W_hat[K-slice, N] -----------------
+// Weights in the kernel layout [N/16, K/16, words] (tiles of one column strip contiguous; see prepare()).
+
+// One warp's work item: column strip tn = item % n_tiles over K split item / n_tiles.
+template <int K2, int CB, int MT, int DEPTH>
+__device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
+                                          float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
+                                          int item) {
+  constexpr int L = LaneBits<K2>::kLoad;
+  const int lane = threadIdx.x & 31;
+  const int tn = item % n_tiles, split = item / n_tiles;
+  const int kt0 = (int)((long long)split * k_tiles / splits), kt1 = (int)((long long)(split + 1) * k_tiles / splits);
+  const int K = k_tiles * 16, N = n_tiles * 16;
+  const int g = lane >> 2, tq = lane & 3;
+  const LaneBits<K2> bits(lane);
+  constexpr int W = words32(K2);
+  // Kernel layout [n_tiles, k_tiles, W]: this warp's tiles are one contiguous stream, so the DEPTH tiles of
+  // a group sit at immediate offsets d * W from one pointer per loaded word.
+  const uint32_t* lw[L];
+#pragma unroll
+  for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
+
+  // x rows of this lane for each 8-row group (B fragment: row g of the group, k = 2tq + {0,1} + 8{0,1})
+  const uint32_t* xp[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int row = mt * 8 + g;
+    xp[mt] = reinterpret_cast<const uint32_t*>(xh + (size_t)(row < m ? row : 0) * K + kt0 * 16) + tq;
+  }
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+
+  // For m <= 16 the activation fragments of a group are loaded with its trellis words (they are L2 hits, but
+  // loading them next to the mma stalled every tile on their latency); larger m loads them per tile.
+  constexpr bool kPrefetchX = MT <= 2;
+  constexpr int XB = kPrefetchX ? MT : 1;
+  auto load_tiles = [&](auto& buf, auto& xb, int count) {  // the next `count` tiles
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+#pragma unroll
+      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
+      if constexpr (kPrefetchX) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          xb[d][mt][0] = __ldg(xp[mt] + d * 8);  // rows past m read row 0; their C columns are never stored
+          xb[d][mt][1] = __ldg(xp[mt] + d * 8 + 4);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] += count * W;
+    if constexpr (kPrefetchX) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) xp[mt] += count * 8;
+    }
+  };
+  auto compute_tiles = [&](const auto& buf, const auto& xb, int count) {
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+      uint32_t b0[MT], b1[MT];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (kPrefetchX) {
+          b0[mt] = xb[d][mt][0];
+          b1[mt] = xb[d][mt][1];
+        } else {
+          b0[mt] = __ldg(xp[mt] + d * 8);
+          b1[mt] = __ldg(xp[mt] + d * 8 + 4);
+        }
+      }
+      uint32_t frag[4];
+      bits.template decode<CB>(buf[d], frag);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt], frag, b0[mt], b1[mt]);
+    }
+    if constexpr (!kPrefetchX) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) xp[mt] += count * 8;
+    }
+  };
+
+  // Groups of DEPTH tiles, ping-ponged between two register buffers: the next group's loads are issued
+  // before the current group is decoded, so DEPTH tiles of latency hide behind the decode work.
+  const int groups = (kt1 - kt0) / DEPTH;
+  uint32_t buf_a[DEPTH][L], buf_b[DEPTH][L];
+  uint32_t xb_a[DEPTH][XB][2], xb_b[DEPTH][XB][2];
+  if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
+  for (int grp = 0; grp < groups; grp += 2) {
+    if (grp + 1 < groups) load_tiles(buf_b, xb_b, DEPTH);
+    compute_tiles(buf_a, xb_a, DEPTH);
+    if (grp + 1 >= groups) break;
+    if (grp + 2 < groups) load_tiles(buf_a, xb_a, DEPTH);
+    compute_tiles(buf_b, xb_b, DEPTH);
+  }
+  for (int left = (kt1 - kt0) - groups * DEPTH; left > 0; --left) {  // fewer than DEPTH tiles
+    uint32_t one[1][L], xone[1][XB][2];
+    load_tiles(one, xone, 1);
+    compute_tiles(one, xone, 1);
+  }
+
+  // C fragment: rows = output features g, g+8 of the tile; cols = x rows 2tq, 2tq+1 of the group
+  float* out = partial + (size_t)split * m * N + tn * 16 + g;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r0 = mt * 8 + 2 * tq;
+    if (r0 < m) {
+      out[(size_t)r0 * N] = acc[mt][0];
+      out[(size_t)r0 * N + 8] = acc[mt][2];
+    }
+    if (r0 + 1 < m) {
+      out[(size_t)(r0 + 1) * N] = acc[mt][1];
+      out[(size_t)(r0 + 1) * N + 8] = acc[mt][3];
+    }
+  }
+}
+
+template <int K2, int CB, int MT, int DEPTH>
+__global__ void __launch_bounds__(kWarps * 32) gemm_kernel(const half* __restrict__ xh,
+                                                           const uint32_t* __restrict__ trellis,
+                                                           float* __restrict__ partial, int m, int k_tiles,
+                                                           int n_tiles, int splits) {
+  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (item < n_tiles * splits) gemm_warp<K2, CB, MT, DEPTH>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item);
+}
+
+// ---- same-input groups (q/k/v, gate/up): one launch per stage for all sources ------------------------
+// The table is built once per layer at load (device memory, so CUDA graphs capture pointers to it).
+struct GroupSource {
+  const uint32_t* tiles;  // kernel layout [n_tiles, k_tiles, words]
+  const half* suh;        // [K]
+  const half* svh;        // [n_tiles * 16]
+  long long n_tiles;
+  long long splits;
+  long long item_begin;    // first GEMM work item of this source (items of all sources are numbered in order)
+  long long col_begin;     // first column of this source in the concatenated output
+  long long partial_base;  // this source's partials start at partial + partial_base * m ([splits, m, N])
+};
+static_assert(sizeof(GroupSource) == 64, "the Python side writes 8 int64 per source");
+
+__device__ __forceinline__ int group_source_of_item(const GroupSource* srcs, int num, long long item) {
+  int s = 0;
+  while (s + 1 < num && item >= srcs[s + 1].item_begin) ++s;
+  return s;
+}
+
+template <int K2, int CB, int MT, int DEPTH>
+__global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __restrict__ xh_all,
+                                                                 const GroupSource* __restrict__ srcs, int num,
+                                                                 float* __restrict__ partial, int m, int k_tiles,
+                                                                 int total_items) {
+  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (item >= total_items) return;
+  const int s = group_source_of_item(srcs, num, item);
+  const GroupSource& src = srcs[s];
+  gemm_warp<K2, CB, MT, DEPTH>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
+                               k_tiles, (int)src.n_tiles, (int)src.splits, item - (int)src.item_begin);
+}
+
+// ---- Hadamard-128 rotations (fp32 butterflies in exllamav3's stage order: bit-exact had_r_128) --
+
+__device__ __forceinline__ void butterfly128(float (&v)[4], int lane) {
+  float a = v[0], b = v[1], c = v[2], d = v[3];
+  v[0] = a + b; v[1] = a - b; v[2] = c + d; v[3] = c - d;         // stride 1
+  a = v[0]; b = v[1]; c = v[2]; d = v[3];
+  v[0] = a + c; v[1] = b + d; v[2] = a - c; v[3] = b - d;         // stride 2
+#pragma unroll
+  for (int s = 1; s < 32; s <<= 1) {                               // strides 4 .. 64
+    const bool upper = lane & s;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float p = __shfl_xor_sync(0xffffffffu, v[i], s);
+      v[i] = upper ? p - v[i] : v[i] + p;
+    }
+  }
+}
+
+// fp16(r_scale * H(fp16(x * suh))) of one 128-block (lane holds 4 consecutive elements)
+__device__ __forceinline__ void had_in_block(const half* __restrict__ x, const half* __restrict__ suh,
+                                             half* __restrict__ out, int lane) {
+  const uint2 xv = *reinterpret_cast<const uint2*>(x + lane * 4);
+  const uint2 sv = *reinterpret_cast<const uint2*>(suh + lane * 4);
+  const half* xp = reinterpret_cast<const half*>(&xv);
+  const half* sp = reinterpret_cast<const half*>(&sv);
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __half2float(__float2half_rn(__half2float(xp[i]) * __half2float(sp[i])));
+  butterfly128(v, lane);
+  uint2 o;
+  half* op = reinterpret_cast<half*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) op[i] = __float2half_rn(v[i] * kRScale);
+  *reinterpret_cast<uint2*>(out + lane * 4) = o;
+}
+
+// fp16(fp16(r_scale * H(sum_s acc[s])) * svh) of one 128-block; acc points at split 0, splits split_stride apart
+template <typename T>
+__device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t split_stride, int splits,
+                                              const half* __restrict__ svh, half* __restrict__ out, int lane) {
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  const T* p = acc + lane * 4;
+  int s = 0;
+  for (; s + 8 <= splits; s += 8) {  // eight loads in flight: a serial chain of L2 latencies cost up to 16 us
+    float t[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) t[j][i] = (float)p[(s + j) * split_stride + i];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] += t[j][i];  // same order as one split at a time: deterministic
+  }
+  for (; s < splits; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] += (float)p[s * split_stride + i];
+  butterfly128(v, lane);
+  const uint2 sv = *reinterpret_cast<const uint2*>(svh + lane * 4);
+  const half* sp = reinterpret_cast<const half*>(&sv);
+  uint2 o;
+  half* op = reinterpret_cast<half*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    op[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sp[i]));
+  *reinterpret_cast<uint2*>(out + lane * 4) = o;
+}
+
+// out[r, :] = fp16(r_scale * H(fp16(x[r, :] * suh)))  (x, out fp16 [rows, cols]; one warp per 128 block)
+__global__ void had_in_kernel(const half* __restrict__ x, const half* __restrict__ suh, half* __restrict__ out,
+                              int rows, int cols) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = cols / 128;
+  if (item >= rows * blocks) return;
+  const size_t at = (size_t)(item / blocks) * cols + (item % blocks) * 128;
+  had_in_block(x + at, suh + (item % blocks) * 128, out + at, threadIdx.x & 31);
+}
+
+// out[r, :] = fp16(fp16(r_scale * H(sum_s acc[s, r, :])) * svh)   (acc fp32 or fp16 [splits, rows, cols])
+template <typename T>
+__global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict__ svh, half* __restrict__ out,
+                               int splits, int rows, int cols) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = cols / 128;
+  if (item >= rows * blocks) return;
+  const int c0 = (item % blocks) * 128;
+  const size_t at = (size_t)(item / blocks) * cols + c0;
+  had_out_block(acc + at, (size_t)rows * cols, splits, svh + c0, out + at, threadIdx.x & 31);
+}
+
+// Group: xh_all[s, r, :] = had_in(x[r, :], suh_s) for every source s
+__global__ void had_in_group_kernel(const half* __restrict__ x, const GroupSource* __restrict__ srcs, int num,
+                                    half* __restrict__ xh_all, int rows, int cols) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = cols / 128, per_source = rows * blocks;
+  if (item >= num * per_source) return;
+  const int s = item / per_source, r = (item % per_source) / blocks, c0 = (item % blocks) * 128;
+  had_in_block(x + (size_t)r * cols + c0, srcs[s].suh + c0, xh_all + ((size_t)s * rows + r) * cols + c0,
+               threadIdx.x & 31);
+}
+
+// Group: out[r, col_begin_s + c] = had_out of source s's partials, for the concatenated output [rows, total_cols]
+__global__ void had_out_group_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ srcs, int num,
+                                     half* __restrict__ out, int rows, int total_cols) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = total_cols / 128;
+  if (item >= rows * blocks) return;
+  const int r = item / blocks, col = (item % blocks) * 128;
+  int s = 0;
+  while (s + 1 < num && col >= srcs[s + 1].col_begin) ++s;
+  const GroupSource& src = srcs[s];
+  const int n = (int)src.n_tiles * 16, c0 = col - (int)src.col_begin;
+  const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
+  had_out_block(acc, (size_t)rows * n, (int)src.splits, src.svh + c0, out + (size_t)r * total_cols + col,
+                threadIdx.x & 31);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+constexpr int kDepth = 4;
+
+// Calls launch(std::integral_constant<int, MT>) for the 8-row groups m needs (MT = 1, 2, 4 or 8).
+template <typename Launch>
+int with_row_groups(int m, Launch&& launch) {
+  if (m <= 8) launch(std::integral_constant<int, 1>{});
+  else if (m <= 16) launch(std::integral_constant<int, 2>{});
+  else if (m <= 32) launch(std::integral_constant<int, 4>{});
+  else if (m <= 64) launch(std::integral_constant<int, 8>{});
+  else return -2;
+  return (int)cudaGetLastError();
+}
+
+template <int K2, int CB>
+int launch_variant_gemm(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt,
+                        int splits, cudaStream_t stream) {
+  const dim3 grid((nt * splits + kWarps - 1) / kWarps), block(kWarps * 32);
+  return with_row_groups(m, [&](auto mt) {
+    gemm_kernel<K2, CB, decltype(mt)::value, kDepth><<<grid, block, 0, stream>>>(xh, trellis, partial, m, kt, nt,
+                                                                                 splits);
+  });
+}
+
+template <int K2, int CB>
+int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
+                              int total_items, cudaStream_t stream) {
+  const dim3 grid((total_items + kWarps - 1) / kWarps), block(kWarps * 32);
+  return with_row_groups(m, [&](auto mt) {
+    gemm_group_kernel<K2, CB, decltype(mt)::value, kDepth><<<grid, block, 0, stream>>>(xh_all, srcs, num, partial, m,
+                                                                                       kt, total_items);
+  });
+}
+
+template <int K2, int CB>
+int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int nt, int tn0, int tn_count, int ld,
+                               cudaStream_t stream) {
+  const int tiles = kt * tn_count;
+  reconstruct_kernel<K2, CB><<<(tiles + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(trellis, out, kt, nt, tn0,
+                                                                                        tn_count, ld);
+  return (int)cudaGetLastError();
+}
+
+// Calls F<K2, CB>::run(args...) for the supported (K2, codebook) pairs: whole bits 1..8 in every
+// codebook, half bits (K2 odd: 1.5, 2.5, 3.5) in MUL1. Returns -1 for anything else.
+#define EXL3_CASE1(K2, CB, CALL, ARGS) \
+  case (K2) * 4 + (CB): return CALL<K2, CB> ARGS;
+#define EXL3_CASE3(K2, CALL, ARGS) \
+  EXL3_CASE1(K2, 0, CALL, ARGS) EXL3_CASE1(K2, 1, CALL, ARGS) EXL3_CASE1(K2, 2, CALL, ARGS)
+#define EXL3_DISPATCH(K2V, CBV, CALL, ARGS)                                                              \
+  switch ((K2V) * 4 + (CBV)) {                                                                           \
+    EXL3_CASE3(2, CALL, ARGS) EXL3_CASE3(4, CALL, ARGS) EXL3_CASE3(6, CALL, ARGS)                        \
+    EXL3_CASE3(8, CALL, ARGS) EXL3_CASE3(10, CALL, ARGS) EXL3_CASE3(12, CALL, ARGS)                      \
+    EXL3_CASE3(14, CALL, ARGS) EXL3_CASE3(16, CALL, ARGS)                                                \
+    EXL3_CASE1(3, 2, CALL, ARGS) EXL3_CASE1(5, 2, CALL, ARGS) EXL3_CASE1(7, 2, CALL, ARGS)               \
+    default: return -1;                                                                                  \
+  }
+
+}  // namespace
+
+extern "C" {
+
+// Error codes: 0 ok, -1 unsupported (bits, codebook), -2 unsupported m, -3 bad shape, else a cudaError_t.
+
+int exl3_reconstruct(const void* trellis, void* out, int k_tiles, int n_tiles, int tn0, int tn_count, int ld,
+                     int k2, int codebook, void* stream) {
+  if (k_tiles <= 0 || tn_count <= 0 || tn0 < 0 || tn0 + tn_count > n_tiles || ld < tn_count * 16 || ld % 8)
+    return -3;
+  auto s = (cudaStream_t)stream;
+  auto t = (const uint32_t*)trellis;
+  auto o = (half*)out;
+  EXL3_DISPATCH(k2, codebook, launch_variant_reconstruct, (t, o, k_tiles, n_tiles, tn0, tn_count, ld, s))
+}
+
+int exl3_gemm_partial(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
+                      int splits, int k2, int codebook, void* stream) {
+  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles) return -3;
+  auto s = (cudaStream_t)stream;
+  auto x = (const half*)xh;
+  auto t = (const uint32_t*)trellis;
+  auto p = (float*)partial;
+  EXL3_DISPATCH(k2, codebook, launch_variant_gemm, (x, t, p, m, k_tiles, n_tiles, splits, s))
+}
+
+int exl3_had_in(const void* x, const void* suh, void* out, int rows, int cols, void* stream) {
+  if (rows <= 0 || cols <= 0 || cols % 128) return -3;
+  const int items = rows * (cols / 128);
+  had_in_kernel<<<(items + 7) / 8, 256, 0, (cudaStream_t)stream>>>((const half*)x, (const half*)suh, (half*)out,
+                                                                   rows, cols);
+  return (int)cudaGetLastError();
+}
+
+int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, int splits, int rows, int cols,
+                 void* stream) {
+  if (rows <= 0 || cols <= 0 || cols % 128 || splits <= 0) return -3;
+  const int items = rows * (cols / 128);
+  const dim3 grid((items + 7) / 8), block(256);
+  if (acc_is_fp32)
+    had_out_kernel<float><<<grid, block, 0, (cudaStream_t)stream>>>((const float*)acc, (const half*)svh,
+                                                                    (half*)out, splits, rows, cols);
+  else
+    had_out_kernel<half><<<grid, block, 0, (cudaStream_t)stream>>>((const half*)acc, (const half*)svh,
+                                                                   (half*)out, splits, rows, cols);
+  return (int)cudaGetLastError();
+}
+
+// y[m, total_cols] for a same-input group of sources sharing bits and codebook (table: GroupSource[num] in device
+// memory). Scratch: xh_all fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
+int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, void* partial, void* out, int m,
+                      int k_tiles, int total_items, int total_cols, int k2, int codebook, void* stream) {
+  if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
+  auto s = (cudaStream_t)stream;
+  auto srcs = (const GroupSource*)table;
+  const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
+  had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
+  const half* xh = (const half*)xh_all;
+  float* p = (float*)partial;
+  int code = [&]() -> int {
+    EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
+  }();
+  if (code != 0) return code;
+  had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
+  return (int)cudaGetLastError();
+}
+
+int exl3_abi_version(void) { return 2; }
+
+const char* exl3_error_string(int code) {
+  switch (code) {
+    case -1: return "unsupported bitrate/codebook pair";
+    case -2: return "m too large for the fused kernel (at most 64 rows)";
+    case -3: return "bad shape or argument";
+    default: return cudaGetErrorString((cudaError_t)code);
+  }
+}
+
+}  // extern "C"

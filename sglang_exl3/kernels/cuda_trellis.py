@@ -1,0 +1,314 @@
+"""Our CUDA trellis kernels (`csrc/exl3_trellis.cu`): build with nvcc, load with ctypes, call on torch tensors.
+
+The library has a plain C ABI and no torch headers, so it builds in seconds per variant with nvcc alone
+and does not depend on the torch build. Found, in order: `SGLANG_EXL3_KERNEL_LIB` (a prebuilt .so), then
+the per-user cache (`~/.cache/sglang_exl3`, keyed by source hash and GPU arch). Building is explicit
+(`python -m sglang_exl3 build-kernels`, or `SGLANG_EXL3_BACKEND=cuda`): a serving process that merely
+probes (`auto`) never starts a compiler.
+
+Forward for small m: `had_in` (x * suh, Hadamard-128, fp16) -> fused decode GEMM writing fp32 split-K
+partials -> `had_out` (sum of partials, Hadamard-128, fp16, * svh). Larger m: reconstruct W_hat in
+column slices + cuBLAS, same rotations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from sglang_exl3 import knobs
+from sglang_exl3.format.constants import Codebook
+
+SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
+ABI_VERSION = 2
+FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
+# Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
+# median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
+FUSED_CROSSOVER_M = 32
+RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
+
+
+class KernelLibraryUnavailable(RuntimeError):
+    pass
+
+
+def _arch_tag(arch: str | None) -> str:
+    if arch:
+        return arch.replace("sm_", "").replace(".", "")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}{minor}"
+    return "90"
+
+
+def cache_path(arch: str | None = None) -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang_exl3"
+    return root / f"libexl3_trellis-{digest}-sm{_arch_tag(arch)}.so"
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and (Path(cand) / "bin" / "nvcc").exists():
+            return str(Path(cand) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build_library(out: Path | None = None, arch: str | None = None, verbose: bool = False) -> Path:
+    """Compile the kernels for one GPU arch (default: this GPU's, else sm_90) into `out` (default: cache)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise KernelLibraryUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH) to build the EXL3 "
+                                       "kernels, or point SGLANG_EXL3_KERNEL_LIB at a prebuilt library")
+    tag = _arch_tag(arch)
+    if int(tag) < 80:
+        raise KernelLibraryUnavailable(f"the EXL3 kernels need sm_80 or newer (mma.m16n8k16), not sm_{tag}")
+    out = Path(out) if out else cache_path(tag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+           f"-gencode=arch=compute_{tag},code=sm_{tag}", f"-gencode=arch=compute_{tag},code=compute_{tag}",
+           "-o", str(tmp), str(SOURCE)]
+    if verbose:
+        cmd.insert(1, "-Xptxas=-v")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelLibraryUnavailable(f"nvcc failed building {SOURCE.name}:\n{proc.stderr[-4000:]}")
+    if verbose:
+        print(proc.stderr)
+    os.replace(tmp, out)  # atomic: concurrent builders (TP ranks) never load a half-written file
+    return out
+
+
+def library_path() -> Path | None:
+    """The library that `load_library` would open, or None if there is none yet."""
+    explicit = knobs.get("KERNEL_LIB")
+    if explicit:
+        return Path(explicit)
+    path = cache_path()
+    return path if path.exists() else None
+
+
+@cache
+def load_library(build: bool = False) -> ctypes.CDLL:
+    path = library_path()
+    if path is None:
+        if not build:
+            raise KernelLibraryUnavailable(
+                "the EXL3 CUDA kernels are not built: run `python -m sglang_exl3 build-kernels` (needs nvcc) "
+                "or set SGLANG_EXL3_KERNEL_LIB to a prebuilt libexl3_trellis .so")
+        path = build_library()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelLibraryUnavailable(f"cannot load {path}: {e}") from e
+    if lib.exl3_abi_version() != ABI_VERSION:
+        raise KernelLibraryUnavailable(f"{path} has ABI {lib.exl3_abi_version()}, expected {ABI_VERSION}; rebuild it")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.exl3_reconstruct.argtypes = [p, p, i, i, i, i, i, i, i, p]
+    lib.exl3_gemm_partial.argtypes = [p, p, p, i, i, i, i, i, i, p]
+    lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
+    lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
+    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
+    lib.exl3_error_string.restype = ctypes.c_char_p
+    lib.exl3_error_string.argtypes = [i]
+    return lib
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"EXL3 CUDA kernel {what} failed: {load_library().exl3_error_string(code).decode()}")
+
+
+def _stream(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def _k2(trellis: torch.Tensor) -> int:
+    words = trellis.shape[-1]
+    if words % 8:
+        raise ValueError(f"trellis last dim {words} is not 8 * (2 * bits)")
+    return words // 8
+
+
+def prepare(trellis: torch.Tensor) -> torch.Tensor:
+    """The kernels' weight layout: checkpoint trellis [K/16, N/16, words] -> [N/16, K/16, words], so that the
+    tiles one warp walks down K are one contiguous stream (done once at load; same bytes)."""
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"expected an int16 trellis [K/16, N/16, words], got {trellis.dtype} {tuple(trellis.shape)}")
+    return trellis.permute(1, 0, 2).contiguous()
+
+
+def _check_tiles(tiles: torch.Tensor) -> None:
+    if tiles.dtype != torch.int16 or not tiles.is_cuda or not tiles.is_contiguous() or tiles.dim() != 3:
+        raise ValueError("expected prepare()d weights: a contiguous CUDA int16 tensor [N/16, K/16, words]")
+    if tiles.data_ptr() % 4:
+        raise ValueError("trellis must be 4-byte aligned")
+
+
+def reconstruct(tiles: torch.Tensor, codebook: Codebook, col_tiles: tuple[int, int] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """W_hat fp16 [K, N] (or the column tiles [t0, t0+count)) from prepare()d weights; bit-identical to the
+    reference codec."""
+    _check_tiles(tiles)
+    nt, kt, _ = tiles.shape
+    t0, count = col_tiles or (0, nt)
+    if out is None:
+        out = torch.empty(kt * 16, count * 16, dtype=torch.float16, device=tiles.device)
+    lib = load_library()
+    _check(lib.exl3_reconstruct(tiles.data_ptr(), out.data_ptr(), kt, nt, t0, count, out.stride(0), _k2(tiles),
+                                int(codebook), _stream(tiles)), "reconstruct")
+    return out
+
+
+def _check_fp16(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.float16 or not t.is_cuda or not t.is_contiguous() or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be a contiguous CUDA fp16 tensor {list(shape)}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+
+
+def had_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+    """fp16(had_r_128(x * suh)) for fp16 x [m, K] (bit-identical to the codec's had_r_128 with pre_scale)."""
+    _check_fp16("x", x, (x.shape[0], x.shape[-1]))
+    _check_fp16("suh", suh, (x.shape[1],))
+    out = torch.empty_like(x)
+    _check(load_library().exl3_had_in(x.data_ptr(), suh.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                      _stream(x)), "had_in")
+    return out
+
+
+def had_out(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """had_r_128(sum over splits of acc [S, m, N] (fp32 or fp16), post_scale=svh) -> fp16 [m, N]."""
+    splits, m, n = acc.shape
+    if acc.dtype not in (torch.float16, torch.float32) or not acc.is_contiguous():
+        raise ValueError(f"acc must be contiguous fp32 or fp16 [splits, m, N], got {acc.dtype}")
+    _check_fp16("svh", svh, (n,))
+    out = torch.empty(m, n, dtype=torch.float16, device=acc.device)
+    _check(load_library().exl3_had_out(acc.data_ptr(), int(acc.dtype == torch.float32), svh.data_ptr(),
+                                       out.data_ptr(), splits, m, n, _stream(acc)), "had_out")
+    return out
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_splits(k_tiles: int, n_tiles: int, device: torch.device, warps_per_sm: int = 32,
+                   min_tiles_per_warp: int = 16) -> int:
+    """Split K so that the (16-column strip, K split) work items -- one warp each -- about fill the resident
+    warps of every SM, keeping at least `min_tiles_per_warp` tiles per warp (benchmarks/kernels.py --tune on
+    the H200: fewer, longer warps lose occupancy; more, shorter ones pay their set-up and the reduction)."""
+    capacity = _sm_count(device.index or 0) * warps_per_sm
+    splits = max(1, round(capacity / n_tiles))
+    return max(1, min(splits, k_tiles // min_tiles_per_warp))
+
+
+def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
+                         splits: int | None = None) -> torch.Tensor:
+    """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64."""
+    _check_tiles(tiles)
+    nt, kt, _ = tiles.shape
+    m = xh.shape[0]
+    if xh.dtype != torch.float16 or not xh.is_contiguous() or xh.shape[1] != kt * 16:
+        raise ValueError(f"xh must be contiguous fp16 [m, {kt * 16}], got {xh.dtype} {tuple(xh.shape)}")
+    if m > FUSED_MAX_M:
+        raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
+    splits = splits or default_splits(kt, nt, xh.device)
+    partial = torch.empty(splits, m, nt * 16, dtype=torch.float32, device=xh.device)
+    _check(load_library().exl3_gemm_partial(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt, splits,
+                                            _k2(tiles), int(codebook), _stream(xh)), "gemm")
+    return partial
+
+
+def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                codebook: Codebook, splits: int | None = None, path: str | None = None,
+                fused_max_m: int = FUSED_CROSSOVER_M) -> torch.Tensor:
+    """y fp16 [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 x [m, K] and prepare()d weights.
+    `path`: 'fused', 'reconstruct' or None (fused up to `fused_max_m` rows)."""
+    m = x.shape[0]
+    xh = had_in(x.contiguous(), suh)
+    if path is None:
+        path = "fused" if m <= fused_max_m else "reconstruct"
+    if path == "fused":
+        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits), svh)
+    nt, kt, _ = tiles.shape
+    y = torch.empty(1, m, nt * 16, dtype=torch.float16, device=x.device)
+    cols = max(8, RECONSTRUCT_SLICE_BYTES // (kt * 16 * 2) // 128 * 8)  # column tiles per slice (x128 columns)
+    scratch = torch.empty(kt * 16, min(cols, nt) * 16, dtype=torch.float16, device=x.device)
+    for t0 in range(0, nt, cols):
+        count = min(cols, nt - t0)
+        w = scratch[:, : count * 16]
+        if count * 16 != scratch.shape[1]:
+            w = torch.empty(kt * 16, count * 16, dtype=torch.float16, device=x.device)
+        reconstruct(tiles, codebook, (t0, count), out=w)
+        torch.matmul(xh, w, out=y[0, :, t0 * 16:(t0 + count) * 16])
+    return had_out(y, svh)
+
+
+@dataclass(frozen=True)
+class Exl3Group:
+    """Same-input sources (q/k/v, gate/up) that run as one: a multi-source input rotation, one GEMM launch over
+    every source's work items and one output rotation writing the concatenated output (3 launches, not 3 per
+    source). Built once per layer at load; `table` (GroupSource[] in device memory) points into the source
+    tensors, which `sources` keeps alive."""
+
+    table: torch.Tensor  # int64 [num, 8]
+    num: int
+    k_tiles: int
+    total_items: int
+    total_cols: int
+    partial_per_row: int  # sum over sources of splits * N
+    k2: int
+    codebook: int
+    sources: tuple
+
+
+def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor], codebook: Codebook,
+               splits: list[int] | None = None) -> Exl3Group:
+    """Sources must share K, bits and codebook; each source's N a multiple of 128 (its output Hadamard blocks)."""
+    if not tiles or not (len(tiles) == len(suh) == len(svh)):
+        raise ValueError("a group needs matching, non-empty lists of tiles, suh and svh")
+    for t in tiles:
+        _check_tiles(t)
+    kt, k2 = tiles[0].shape[1], _k2(tiles[0])
+    rows, item, col, base = [], 0, 0, 0
+    for i, t in enumerate(tiles):
+        nt = t.shape[0]
+        if t.shape[1] != kt or _k2(t) != k2:
+            raise ValueError(f"group source {i}: K/16 = {t.shape[1]}, words = {t.shape[2]}; the group has K/16 = {kt}, "
+                             f"words = {tiles[0].shape[2]} (sources of one group share K, bits and codebook)")
+        if nt * 16 % 128:
+            raise ValueError(f"group source {i}: N = {nt * 16} is not a multiple of 128")
+        _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
+        _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
+        sp = splits[i] if splits else default_splits(kt, nt, t.device)
+        rows.append([t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp, item, col, base])
+        item, col, base = item + nt * sp, col + nt * 16, base + sp * nt * 16
+    table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
+    return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
+                     k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+
+
+def group_linear(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
+    """fp16 [m, sum N] = the concatenated outputs of every source of the group for fp16 x [m, K] (m <= 64)."""
+    m = x.shape[0]
+    _check_fp16("x", x, (m, group.k_tiles * 16))
+    if m > FUSED_MAX_M:
+        raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
+    xh = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device)
+    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, group.total_cols, dtype=torch.float16, device=x.device)
+    _check(load_library().exl3_group_linear(x.data_ptr(), group.table.data_ptr(), group.num, xh.data_ptr(),
+                                            partial.data_ptr(), out.data_ptr(), m, group.k_tiles, group.total_items,
+                                            group.total_cols, group.k2, group.codebook, _stream(x)), "group linear")
+    return out

@@ -1,0 +1,5 @@
+"""Runtime: per-model plans (MoE dispatch by rows m) and their scopes. No SGLang import."""
+
+from sglang_exl3.runtime.moe_plan import PLANS, MoEPlan, MoEPlanError, build_moe_plan, layer_role
+
+__all__ = ["PLANS", "MoEPlan", "MoEPlanError", "build_moe_plan", "layer_role"]

@@ -1,0 +1,203 @@
+"""Our CUDA trellis kernels against the reference codec, on fresh random inputs (GPU only).
+
+Reconstruct and the Hadamard rotations must be bit-identical; GEMMs within fp16 accumulation tolerance,
+finite, with every output element written (outputs start as NaN).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_exl3.codec import exl3_linear_reference, had_r_128, reconstruct
+from sglang_exl3.format import Codebook
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from sglang_exl3.kernels import cuda_trellis as ck  # noqa: E402
+
+VARIANTS = [(cb, k) for cb in Codebook for k in (1, 2, 3, 4, 5, 6, 7, 8)] + [
+    (Codebook.MUL1, 1.5), (Codebook.MUL1, 2.5), (Codebook.MUL1, 3.5)]
+IDS = [f"{c.label}-{b}" for c, b in VARIANTS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    return ck.load_library(build=True)
+
+
+def _trellis(kt: int, nt: int, bits: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-32768, 32768, (kt, nt, int(bits * 16)), generator=gen, dtype=torch.int16)
+
+
+@pytest.mark.parametrize("cb, bits", VARIANTS, ids=IDS)
+def test_reconstruct_bit_exact(cb, bits):
+    trellis = _trellis(6, 10, bits, seed=int(bits * 10) + 100 * int(cb))
+    ref = reconstruct(trellis, cb)
+    tiles = ck.prepare(trellis.cuda())
+    ours = ck.reconstruct(tiles, cb).cpu()
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16))
+    part = torch.full((96, 48), float("nan"), dtype=torch.float16, device="cuda")  # column tiles 3..5
+    ck.reconstruct(tiles, cb, (3, 3), out=part)
+    assert torch.equal(part.cpu().view(torch.int16), ref[:, 48:96].view(torch.int16))
+
+
+def test_hadamards_bit_exact():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 640, generator=gen).half()
+    suh = torch.randn(640, generator=gen).half()
+    assert torch.equal(ck.had_in(x.cuda(), suh.cuda()).cpu().view(torch.int16),
+                       had_r_128(x, pre_scale=suh).view(torch.int16))
+    acc = torch.randn(1, 37, 640, generator=gen) * 30
+    svh = torch.randn(640, generator=gen).half()
+    ref = had_r_128(acc[0], post_scale=svh, out_dtype=torch.float16)
+    assert torch.equal(ck.had_out(acc.cuda(), svh.cuda()).cpu().view(torch.int16), ref.view(torch.int16))
+    parts = torch.randn(3, 5, 256, generator=gen)
+    svh2 = torch.randn(256, generator=gen).half()
+    summed = (parts[0] + parts[1]) + parts[2]  # the kernel sums splits in order
+    ref = had_r_128(summed, post_scale=svh2, out_dtype=torch.float16)
+    assert torch.equal(ck.had_out(parts.cuda(), svh2.cuda()).cpu().view(torch.int16), ref.view(torch.int16))
+
+
+def _case(k: int, n: int, bits: float, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    trellis = _trellis(k // 16, n // 16, bits, seed)
+    suh = (torch.randn(k, generator=gen) * 0.1).half()
+    svh = (torch.randn(n, generator=gen) * 0.1).half()
+    x = torch.randn(m, k, generator=gen).half()
+    return trellis, suh, svh, x
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("cb, bits", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("m", [1, 6, 13, 27, 64])
+def test_fused_gemm_matches_reference(cb, bits, m):
+    trellis, suh, svh, x = _case(256, 384, bits, m, seed=m + int(bits * 8))
+    ref = exl3_linear_reference(x, trellis, suh, svh, cb)
+    t, s, v = ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda()
+    xh = ck.had_in(x.cuda(), s)
+    for splits in (1, 3, 16):
+        partial = ck.gemm_rotated_partial(xh, t, cb, splits=splits)
+        y = ck.had_out(partial, v).cpu()
+        assert torch.isfinite(y).all(), f"splits={splits}"
+        assert _rel(y, ref) < 2e-3, f"splits={splits}: rel {_rel(y, ref):.2e}"
+
+
+def test_fused_gemm_writes_every_element():
+    trellis, suh, svh, x = _case(512, 256, 4, 11, seed=3)
+    xh = ck.had_in(x.cuda(), suh.cuda())
+    for splits in (1, 5):
+        torch.cuda.empty_cache()
+        poison = torch.full((splits, 11, 256), float("nan"), device="cuda")
+        del poison  # the allocator hands the same NaN-filled block to the kernel's output
+        partial = ck.gemm_rotated_partial(xh, ck.prepare(trellis.cuda()), Codebook.MCG, splits=splits)
+        assert torch.isfinite(partial).all()
+
+
+@pytest.mark.parametrize("m", [65, 300])
+def test_reconstruct_path_matches_reference(m):
+    trellis, suh, svh, x = _case(384, 512, 3, m, seed=m)
+    ref = exl3_linear_reference(x, trellis, suh, svh, Codebook.MUL1)
+    y = ck.exl3_linear(x.cuda(), ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda(), Codebook.MUL1).cpu()
+    assert torch.isfinite(y).all() and _rel(y, ref) < 3e-3
+
+
+def test_reconstruct_path_in_column_slices(monkeypatch):
+    """Wide outputs (the lm_head) are reconstructed in column slices that each feed cuBLAS into a strided view."""
+    monkeypatch.setattr(ck, "RECONSTRUCT_SLICE_BYTES", 256 * 128 * 2 * 2)  # two 128-column blocks per slice
+    trellis, suh, svh, x = _case(256, 640, 4, 80, seed=21)  # 40 column tiles -> slices of 16, 16, 8
+    ref = exl3_linear_reference(x, trellis, suh, svh, Codebook.MCG)
+    y = ck.exl3_linear(x.cuda(), ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda(), Codebook.MCG,
+                       path="reconstruct").cpu()
+    assert torch.isfinite(y).all() and _rel(y, ref) < 3e-3
+
+
+def test_bad_inputs_are_refused_before_launch():
+    t = ck.prepare(_trellis(8, 8, 4, seed=1).cuda())
+    with pytest.raises(ValueError, match="suh must be a contiguous CUDA fp16 tensor"):
+        ck.had_in(torch.randn(2, 128, device="cuda").half(), torch.randn(128, device="cuda"))
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        ck.gemm_rotated_partial(torch.randn(65, 128, device="cuda").half(), t, Codebook.MCG)
+    with pytest.raises(ValueError, match="prepare"):
+        ck.reconstruct(t.transpose(0, 1), Codebook.MCG)
+
+
+def test_real_shape_and_op():
+    """4096 x 14336 at 4 bits through the registered op (the layer's entry point), fused and reconstruct."""
+    from sglang_exl3.kernels.backends import Backend
+
+    trellis, suh, svh, x = _case(4096, 14336, 4, 16, seed=11)
+    ref = exl3_linear_reference(x, trellis, suh, svh, Codebook.MCG)
+    args = (ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda())
+    y = torch.ops.exl3.gemm(x.cuda(), *args, None, int(Codebook.MCG), int(Backend.CUDA)).cpu()
+    assert _rel(y, ref) < 2e-3
+    y2 = ck.exl3_linear(x.cuda(), *args, Codebook.MCG, path="reconstruct").cpu()
+    assert _rel(y2, ref) < 3e-3
+
+
+def test_cuda_graph_capture_and_replay():
+    trellis, suh, svh, x = _case(1024, 512, 4, 1, seed=5)
+    t, s, v = ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda()
+    static_x = x.cuda()
+    ck.exl3_linear(static_x, t, s, v, Codebook.MUL1)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ck.exl3_linear(static_x, t, s, v, Codebook.MUL1)
+    for seed in (1, 2):
+        fresh = torch.randn(1, 1024, generator=torch.Generator().manual_seed(seed)).half()
+        static_x.copy_(fresh.cuda())
+        graph.replay()
+        ref = exl3_linear_reference(fresh, trellis, suh, svh, Codebook.MUL1)
+        assert _rel(static_y.cpu(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33])
+def test_group_equals_its_sources_run_one_by_one(m):
+    """q/k/v-like group (384 + 128 + 128 columns): one launch per stage, bit-identical to three separate calls."""
+    gen = torch.Generator().manual_seed(m)
+    k, widths, cb = 512, (384, 128, 128), Codebook.MCG
+    srcs = [_case(k, n, 4, m, seed=m * 10 + i) for i, n in enumerate(widths)]
+    x = torch.randn(m, k, generator=gen).half()
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    suh = [s.cuda() for _, s, _, _ in srcs]
+    svh = [v.cuda() for _, _, v, _ in srcs]
+    group = ck.make_group(tiles, suh, svh, cb)
+    y = ck.group_linear(x.cuda(), group)
+    one_by_one = torch.cat([ck.exl3_linear(x.cuda(), t, s, v, cb, path="fused")
+                            for t, s, v in zip(tiles, suh, svh, strict=True)], dim=1)
+    assert torch.equal(y.view(torch.int16), one_by_one.view(torch.int16))
+    ref = torch.cat([exl3_linear_reference(x, t, s, v, cb) for t, s, v, _ in srcs], dim=1)
+    assert _rel(y.cpu(), ref) < 2e-3
+
+
+def test_group_captures_in_a_cuda_graph():
+    srcs = [_case(256, n, 3, 1, seed=40 + i) for i, n in enumerate((256, 128))]
+    group = ck.make_group([ck.prepare(t.cuda()) for t, _, _, _ in srcs], [s.cuda() for _, s, _, _ in srcs],
+                          [v.cuda() for _, _, v, _ in srcs], Codebook.MUL1)
+    static_x = torch.zeros(1, 256, device="cuda").half()
+    ck.group_linear(static_x, group)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ck.group_linear(static_x, group)
+    fresh = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)).half()
+    static_x.copy_(fresh.cuda())
+    graph.replay()
+    ref = torch.cat([exl3_linear_reference(fresh, t, s, v, Codebook.MUL1) for t, s, v, _ in srcs], dim=1)
+    assert _rel(static_y.cpu(), ref) < 2e-3
+
+
+def test_group_rejects_mismatched_sources():
+    a = ck.prepare(_trellis(8, 8, 4, seed=1).cuda())
+    b = ck.prepare(_trellis(8, 8, 3, seed=2).cuda())
+    s, v = torch.ones(128, device="cuda").half(), torch.ones(128, device="cuda").half()
+    with pytest.raises(ValueError, match="share K, bits and codebook"):
+        ck.make_group([a, b], [s, s], [v, v], Codebook.MCG)
