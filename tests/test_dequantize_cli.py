@@ -140,7 +140,7 @@ def test_dequantize_writes_sharded_output_with_index(tmp_path):
         assert torch.equal(load_file(str(tmp_path / "dq" / file))[name], whole[name])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_dequantized_checkpoint_loads_in_transformers_without_missing_keys(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 

@@ -142,3 +142,29 @@ def test_plan_bound_comes_from_the_published_server_args():
         bound >= (args.context_length or cfg.checkpoint.config["max_position_embeddings"])
     same_scope = [layer.mlp.experts.exl3_plan for layer in model.model.layers]
     assert all(p is same_scope[0] for p in same_scope)  # one plan per model scope and role
+
+
+@pytest.mark.parametrize("shared_quantized", [True, False], ids=["exl3-shared-expert", "bf16-shared-expert"])
+def test_qwen2_moe_shared_expert_exl3_or_unquantized(tmp_path, shared_quantized):
+    """Qwen2-MoE: routed experts in FusedMoE, the shared expert as ordinary EXL3 linears (or unquantized)."""
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+    path = write_exl3_checkpoint(tmp_path / "q2moe", "qwen2_moe", dims=ModelDims(num_hidden_layers=1), bits=3,
+                                 codebook="mcg", with_tokenizer=False, shared_quantized=shared_quantized)
+    model, cfg = load_model(path)
+    ckpt = load_checkpoint(path)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.experts.quant_method).__name__ == "Exl3MoEMethod"
+    method = type(mlp.shared_expert.gate_up_proj.quant_method).__name__
+    assert method == ("Exl3LinearMethod" if shared_quantized else "UnquantizedLinearMethod")
+    assert cfg.claimed == set(ckpt.modules)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    p = "model.layers.0.mlp.shared_expert"
+    if shared_quantized:
+        y = mlp.shared_expert.gate_up_proj.quant_method.apply(mlp.shared_expert.gate_up_proj, x)
+        want = torch.cat([_expert_ref(ckpt, f"{p}.{s}", x) for s in ("gate_proj", "up_proj")], dim=-1)
+    else:
+        y, _ = mlp.shared_expert.gate_up_proj(x.to(mlp.shared_expert.gate_up_proj.weight.dtype))
+        want = torch.cat([x.float() @ ckpt.load_tensor(f"{p}.{s}.weight").float().T for s in ("gate_proj", "up_proj")],
+                         dim=-1)
+    assert ((y.float() - want).norm() / want.norm()) < 1e-2

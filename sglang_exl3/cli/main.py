@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_dequantize)
     w = sub.add_parser("write-fixture", help="write a random-trellis EXL3 checkpoint in exllamav3's layout")
     w.add_argument("out")
-    w.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"], default="llama")
+    w.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"], default="llama")
     w.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny")
     w.add_argument("--bits", type=float, default=4)
     w.add_argument("--head-bits", type=float, default=6)

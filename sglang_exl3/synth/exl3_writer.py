@@ -25,11 +25,13 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
 # MoE architectures: expert block name, (up, gate, down) projection names, intermediate-size field
 _MOE_LAYOUT = {
     "qwen3_moe": ("mlp", ("up_proj", "gate_proj", "down_proj"), "moe_intermediate_size"),
+    "qwen2_moe": ("mlp", ("up_proj", "gate_proj", "down_proj"), "moe_intermediate_size"),
     "mixtral": ("block_sparse_moe", ("w3", "w1", "w2"), "intermediate_size"),
 }
 _CODEBOOK_STD = {Codebook.INST3: 1.2437, Codebook.MCG: 1.2437, Codebook.MUL1: 1.0}
@@ -50,6 +52,7 @@ class ModelDims:
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 256
+    shared_expert_intermediate_size: int = 512  # qwen2_moe's always-on shared expert
     extra: dict = field(default_factory=dict)  # copied into config.json as is
 
 
@@ -88,22 +91,29 @@ def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int =
                    num_experts_per_tok=dims.num_experts_per_tok,
                    moe_intermediate_size=dims.moe_intermediate_size, decoder_sparse_step=1,
                    mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        cfg.update(num_experts=dims.num_experts, num_experts_per_tok=dims.num_experts_per_tok,
+                   moe_intermediate_size=dims.moe_intermediate_size,
+                   shared_expert_intermediate_size=dims.shared_expert_intermediate_size, decoder_sparse_step=1,
+                   mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True)
     if arch == "mixtral":
         cfg.update(num_local_experts=dims.num_experts, num_experts_per_tok=dims.num_experts_per_tok)
     cfg.update(dims.extra)
     return cfg
 
 
-def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+def module_plan(arch: str, dims: ModelDims,
+                shared_quantized: bool = True) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' / 'exl3_bias' (shape = (in, out)),
-    'head' (EXL3 at head_bits), 'embed', 'norm' or 'router' (shape = the tensor's shape)."""
+    'head' (EXL3 at head_bits), 'embed', 'norm', 'router' or 'dense' (an unquantized linear; shape = the
+    tensor's shape)."""
     h, hd = dims.hidden_size, dims.head_dim
     q_out, kv_out = dims.num_attention_heads * hd, dims.num_key_value_heads * hd
     yield "model.embed_tokens", "embed", (dims.vocab_size, h)
     for i in range(dims.num_hidden_layers):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm", "norm", (h,)
-        qkv = "exl3_bias" if arch == "qwen2" else "exl3"  # Qwen2 attention has q/k/v biases
+        qkv = "exl3_bias" if arch in ("qwen2", "qwen2_moe") else "exl3"  # Qwen2 attention has q/k/v biases
         yield f"{p}.self_attn.q_proj", qkv, (h, q_out)
         yield f"{p}.self_attn.k_proj", qkv, (h, kv_out)
         yield f"{p}.self_attn.v_proj", qkv, (h, kv_out)
@@ -120,6 +130,12 @@ def module_plan(arch: str, dims: ModelDims) -> Iterator[tuple[str, str, tuple[in
                 yield f"{p}.{block}.experts.{e}.{up}", "exl3", (h, inter)
                 yield f"{p}.{block}.experts.{e}.{gate}", "exl3", (h, inter)
                 yield f"{p}.{block}.experts.{e}.{down}", "exl3", (inter, h)
+            if arch == "qwen2_moe":  # the shared expert (EXL3, or left unquantized) and its sigmoid gate
+                shared = dims.shared_expert_intermediate_size
+                for proj, (k, n) in (("up_proj", (h, shared)), ("gate_proj", (h, shared)), ("down_proj", (shared, h))):
+                    yield (f"{p}.mlp.shared_expert.{proj}", "exl3", (k, n)) if shared_quantized else \
+                        (f"{p}.mlp.shared_expert.{proj}", "dense", (n, k))
+                yield f"{p}.mlp.shared_expert_gate", "router", (1, h)
         else:
             yield f"{p}.mlp.up_proj", "exl3", (h, dims.intermediate_size)
             yield f"{p}.mlp.gate_proj", "exl3", (h, dims.intermediate_size)
@@ -172,6 +188,7 @@ def write_exl3_checkpoint(
     seed: int = 0,
     with_tokenizer: bool = True,
     progress: bool = False,
+    shared_quantized: bool = True,
 ) -> Path:
     """Write a complete EXL3 checkpoint folder (safetensors shards, config, sidecar, tokenizer)."""
     if arch not in HF_ARCHITECTURES:
@@ -188,7 +205,7 @@ def write_exl3_checkpoint(
     gen = torch.Generator().manual_seed(seed)
     storage: dict[str, dict] = {}
     packer = ShardPacker(_MAX_SHARD_BYTES)
-    plan = list(module_plan(arch, dims))
+    plan = list(module_plan(arch, dims, shared_quantized))
     if progress:
         from tqdm import tqdm
 
