@@ -223,3 +223,50 @@ def test_qwen2_qkv_bias(tmp_path):
     want = torch.cat([_reference(ckpt, f"{p}.{s}_proj", x, None).float()
                       + ckpt.load_tensor(f"{p}.{s}_proj.bias").float() for s in "qkv"], dim=-1)
     assert ((y.float() - want).norm() / want.norm()) < 1e-2
+
+
+def _rank_sliced_folder(tmp_path, **tail_overrides):
+    import json
+
+    from sglang_exl3.format.rank_sliced import TENSOR_SCHEMA
+    from sglang_exl3.synth.exl3_writer import ModelDims, hf_config
+
+    cfg = hf_config("qwen3_moe", ModelDims(num_hidden_layers=1))
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}  # what the rest uses
+    cfg["hybrid_tr3_tail"] = {"format": "exl3-trellis", "bits": 3, "codebook": "mcg", "experts_per_layer": 4,
+                              "moe_layers": [0, 0], "tensor_schema": TENSOR_SCHEMA, "tp": 1, **tail_overrides}
+    path = tmp_path / "rank-sliced"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_rank_sliced_checkpoint_is_claimed_and_refused_with_a_clear_error(tmp_path):
+    """hybrid_tr3_tail makes a checkpoint EXL3 although quantization_config says modelopt (else its experts
+    would silently load as modelopt); its metadata is validated; loading it says plainly it is not supported."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_exl3.format.rank_sliced import RankSlicedError
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    path = _rank_sliced_folder(tmp_path)
+    config = ModelConfig(path)
+    assert config.quantization == "exl3"
+    parsed = config._parse_quant_hf_config()
+    assert parsed["quant_method"] == "exl3" and parsed["checkpoint_quant_method"].startswith("modelopt")
+    with pytest.raises(NotImplementedError, match=r"rank-sliced EXL3 MoE checkpoint .*3 bits, tp=1, 4 experts"):
+        Exl3Config.from_config({**parsed, "hf_config": config.hf_config})
+    bad = ModelConfig(_rank_sliced_folder(tmp_path / "b", codebook="mul1"))
+    with pytest.raises(RankSlicedError, match="requires the MCG codebook"):
+        Exl3Config.from_config({**bad._parse_quant_hf_config(), "hf_config": bad.hf_config})
+
+
+def test_rank_sliced_checkpoint_is_not_claimed_when_the_user_asks_for_another_method(tmp_path):
+    from sglang.srt.configs.model_config import ModelConfig
+
+    path = _rank_sliced_folder(tmp_path)
+    try:
+        quantization = ModelConfig(path, quantization="modelopt_fp8").quantization
+    except ValueError:  # SGLang's own check of the user's method against the checkpoint
+        return
+    assert quantization != "exl3"

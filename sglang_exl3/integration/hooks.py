@@ -1,5 +1,7 @@
 """Plugin hooks (SGLang's HookRegistry; no SGLang file is edited).
 
+`rank_sliced_quant_config`: claims rank-sliced EXL3 MoE checkpoints (`hybrid_tr3_tail`) for `exl3`.
+
 `lm_head_quant_config`: some SGLang model classes (Mixtral, ...) build `ParallelLMHead` without
 passing `quant_config`, so an EXL3 `lm_head` would be built unquantized and its `.trellis` tensors
 skipped by the loader. While a model is being built from an EXL3 checkpoint whose `lm_head` is EXL3,
@@ -25,8 +27,25 @@ def lm_head_quant_config(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+def rank_sliced_quant_config(original, self, *args, **kwargs):
+    """AROUND `ModelConfig._parse_quant_hf_config`: a checkpoint with `hybrid_tr3_tail` (format exl3-trellis)
+    is EXL3 even when its `quantization_config` names another method (the reference's rule; otherwise its
+    experts would silently load as that method), unless the user asked for a different method. SGLang
+    only shows `quantization_config` to the quantization classes, hence a hook on the parse."""
+    from sglang_exl3.format.rank_sliced import override_quantization_method
+
+    parsed = original(self, *args, **kwargs)
+    tail = getattr(self.hf_config, "hybrid_tr3_tail", None)
+    if override_quantization_method({"hybrid_tr3_tail": tail}, getattr(self, "quantization", None)) == "exl3":
+        parsed = {**(parsed or {}), "quant_method": "exl3", "hybrid_tr3_tail": tail,
+                  "checkpoint_quant_method": (parsed or {}).get("quant_method")}
+    return parsed
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.layers.vocab_parallel_embedding.ParallelLMHead.__init__",
                           lm_head_quant_config, HookType.AROUND)
+    HookRegistry.register("sglang.srt.configs.model_config.ModelConfig._parse_quant_hf_config",
+                          rank_sliced_quant_config, HookType.AROUND)

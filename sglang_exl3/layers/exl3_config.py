@@ -85,6 +85,8 @@ class Exl3Config(QuantizationConfig):
         if not path or not os.path.isdir(path):
             raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
                              f"path is {path!r}; pass a local folder to --model-path")
+        if config.get("hybrid_tr3_tail") is not None:
+            _refuse_rank_sliced(config, path)
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
         logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s", path, len(ckpt.modules),
                     sorted({m.codebook.label for m in ckpt.modules.values()}))
@@ -191,3 +193,17 @@ def _activate(config: Exl3Config) -> None:
 
 def _is_moe(layer: torch.nn.Module) -> bool:
     return type(layer).__name__ in ("FusedMoE", "EPMoE", "DeepEPMoE", "FlashInferFusedMoE")
+
+
+def _refuse_rank_sliced(config: dict[str, Any], path: str) -> None:
+    """Rank-sliced EXL3 MoE checkpoints are recognised and their metadata validated (every rejection of the
+    reference format), but their loader is not built yet: stop with that said, rather than serve the experts
+    as another method or fail later on a missing tensor."""
+    from sglang_exl3.format.rank_sliced import parse
+
+    spec = parse(config, path)  # RankSlicedError naming the offending key
+    raise NotImplementedError(
+        f"{path}: a rank-sliced EXL3 MoE checkpoint (hybrid_tr3_tail: {spec.bits} bits, tp={spec.tp}, "
+        f"{spec.experts_per_layer} experts, MoE layers {spec.moe_layers[0]}..{spec.moe_layers[1]}, "
+        f"{spec.rotation_layout}). sglang-exl3 validates this format but cannot load it yet; serve a per-expert "
+        "EXL3 checkpoint (exllamav3's converter output) instead")
