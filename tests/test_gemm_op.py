@@ -46,4 +46,10 @@ def test_fake_impl_shapes():
         x = mode.from_tensor(torch.randn(9, 256).half())
         t, s1, s2 = (mode.from_tensor(v) for v in (trellis, suh, svh))
         y = torch.ops.exl3.gemm(x, t, s1, s2, None, 2, 0)
+        # our CUDA kernels take the trellis in their [N/16, K/16, words] layout (cuda_trellis.prepare)
+        from sglang_exl3.kernels.backends import Backend
+        from sglang_exl3.kernels.cuda_trellis import prepare
+
+        y_cuda = torch.ops.exl3.gemm(x, prepare(t), s1, s2, None, 2, int(Backend.CUDA))
     assert tuple(y.shape) == (9, 384) and y.dtype == torch.float16
+    assert tuple(y_cuda.shape) == (9, 384) and y_cuda.dtype == torch.float16

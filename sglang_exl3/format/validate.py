@@ -42,7 +42,13 @@ def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
 
 
 def _module_keys(ckpt: Exl3Checkpoint) -> list[str]:
+    """Per-module EXL3 keys. A rank-sliced checkpoint's `.rank{r}` expert slices are not per-module EXL3: they
+    follow `hybrid_tr3_tail` (format/rank_sliced.py) and are left out here."""
+    from sglang_exl3.format import rank_sliced
+
     keys = {n[: -len(".trellis")] for n in ckpt.tensors if n.endswith(".trellis")}
+    if rank_sliced.claims(ckpt.config):
+        keys = {k for k in keys if not rank_sliced.RANK_SLICED_WEIGHT_RE.match(f"{k}.trellis")}
     for key, entry in ckpt.tensor_storage.items():
         stored = (entry or {}).get("stored_tensors") or {}
         if (entry or {}).get("quant_format") == "exl3" or f"{key}.trellis" in stored:

@@ -1,0 +1,82 @@
+"""Write a Qwen3-MoE-shaped checkpoint in the reference implementation's rank-sliced MoE layout.
+
+Routed experts are stored per tensor-parallel rank (`model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.*`,
+MCG codebook): gate/up keep rank r's slice of the intermediate columns, down its intermediate rows, in
+128-element units; with `rotation_layout='shared_h_v1'` the hidden-side rotations (gate/up suh, down svh)
+are stored once per layer under `experts.shared_h`. Everything else is ordinary per-module EXL3 listed in
+`quantization_config.json`, and `config.json` carries `hybrid_tr3_tail`. Built from `write_exl3_checkpoint`
+output, so the full per-expert matrices the slices came from are known exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from sglang_exl3.format.constants import ALIGN, SIDECAR_NAME
+from sglang_exl3.format.rank_sliced import SHARED_H_SCHEMA, TENSOR_SCHEMA
+from sglang_exl3.format.shards import ShardPacker
+from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+
+
+def slice_expert(tensors: dict[str, torch.Tensor], proj: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s part of one expert projection (trellis/suh/svh/mcg): gate/up cut the output
+    (intermediate) columns, down the input (intermediate) rows."""
+    out = {name: t.clone() for name, t in tensors.items()}  # each rank's file holds its own copy
+    if proj == "down_proj":
+        rows = tensors["trellis"].shape[0] // tp
+        out["trellis"] = tensors["trellis"][rank * rows:(rank + 1) * rows].contiguous()
+        out["suh"] = tensors["suh"][rank * rows * 16:(rank + 1) * rows * 16].contiguous()
+    else:
+        cols = tensors["trellis"].shape[1] // tp
+        out["trellis"] = tensors["trellis"][:, rank * cols:(rank + 1) * cols].contiguous()
+        out["svh"] = tensors["svh"][rank * cols * 16:(rank + 1) * cols * 16].contiguous()
+    return out
+
+
+def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = None, bits: int = 3, tp: int = 2,
+                                 rotation_layout: str = "per_expert_v1", seed: int = 0) -> Path:
+    dims = dims or ModelDims()
+    if dims.moe_intermediate_size % (tp * ALIGN):
+        raise ValueError(f"moe_intermediate_size {dims.moe_intermediate_size} does not split into {tp} slices of "
+                         f"a multiple of {ALIGN}")
+    out = Path(out_dir)
+    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed, with_tokenizer=False)
+    sidecar = json.loads((out / SIDECAR_NAME).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+        f.unlink()
+    packer = ShardPacker()
+    shared = rotation_layout == "shared_h_v1"
+    for key in list(sidecar["tensor_storage"]):
+        parts = key.split(".")
+        if len(parts) < 7 or parts[3:5] != ["mlp", "experts"] or parts[6] not in PROJECTIONS:
+            packer.add({n: t for n, t in tensors.items() if n.startswith(key + ".")})
+            continue
+        del sidecar["tensor_storage"][key]  # rank-sliced experts live outside tensor_storage
+        layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
+        full = {fld: tensors[f"{key}.{fld}"] for fld in ("trellis", "suh", "svh", "mcg")}
+        for rank in range(tp):
+            part = slice_expert(full, proj, rank, tp)
+            group = {f"{key}.rank{rank}.{fld}": t for fld, t in part.items()
+                     if not (shared and fld == H_SIDE[proj])}
+            if shared and expert == 0:
+                prefix = f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank{rank}"
+                group[f"{prefix}.{H_SIDE[proj]}"] = part[H_SIDE[proj]]
+            packer.add(group)
+    packer.save(out)
+    (out / SIDECAR_NAME).write_text(json.dumps(sidecar, indent=4))
+    config = json.loads((out / "config.json").read_text())
+    config["hybrid_tr3_tail"] = {
+        "format": "exl3-trellis", "bits": bits, "codebook": "mcg", "experts_per_layer": dims.num_experts,
+        "moe_layers": [0, dims.num_hidden_layers - 1], "tensor_schema": TENSOR_SCHEMA, "tp": tp,
+        "rotation_layout": rotation_layout, **({"shared_h_tensor_schema": SHARED_H_SCHEMA} if shared else {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
