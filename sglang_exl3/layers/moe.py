@@ -171,9 +171,13 @@ def scheduler_token_bound(config=None) -> int:
 
     args = get_global_server_args()
     draft_tokens = max(1, getattr(args, "speculative_num_draft_tokens", None) or 1)
+    graphs = getattr(args, "cuda_graph_config", None)  # resolved per-phase capture sizes (prefill: tokens)
+    prefill, decode = getattr(graphs, "prefill", None), getattr(graphs, "decode", None)
     bounds = [getattr(args, "max_prefill_tokens", None) or 0,
               getattr(args, "cuda_graph_max_bs_prefill", None) or 0,
+              getattr(prefill, "max_bs", None) or 0, max(getattr(prefill, "bs", None) or [0]),
               (getattr(args, "cuda_graph_max_bs_decode", None) or 0) * draft_tokens,
+              max(getattr(decode, "max_bs", None) or 0, *(getattr(decode, "bs", None) or [0])) * draft_tokens,
               (getattr(args, "max_running_requests", None) or 0) * draft_tokens]
     chunk = getattr(args, "chunked_prefill_size", None)
     if chunk is not None and chunk > 0:
