@@ -45,23 +45,6 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
-def median_us(fn, rotations: int = 1, warmup: int = 10, reps: int = 50) -> float:
-    """Median time of fn(i) in microseconds, i cycling over `rotations` input sets (CUDA events)."""
-    for i in range(warmup):
-        fn(i % rotations)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(reps):
-        start.record()
-        fn(i % rotations)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def graph_us(fn, rotations: int = 1, calls: int = 24, replays: int = 7) -> float:
     """Median time of one fn(i) call in microseconds, from CUDA-graph replays of `calls` calls cycling over
     `rotations` input sets: launch and Python overheads drop out, as they do under SGLang's CUDA graphs.

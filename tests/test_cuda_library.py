@@ -25,12 +25,8 @@ def test_prepare_puts_each_column_strip_contiguous():
 def test_missing_library_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SGLANG_EXL3_KERNEL_LIB", raising=False)
-    ck.load_library.cache_clear()
-    try:
-        with pytest.raises(ck.KernelLibraryUnavailable, match="build-kernels.*SGLANG_EXL3_KERNEL_LIB"):
-            ck.load_library(build=False)
-    finally:
-        ck.load_library.cache_clear()
+    with pytest.raises(ck.KernelLibraryUnavailable, match="build-kernels.*SGLANG_EXL3_KERNEL_LIB"):
+        ck.load_library(build=False)
 
 
 def test_no_nvcc_is_a_clear_error(monkeypatch, tmp_path):

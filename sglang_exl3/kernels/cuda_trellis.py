@@ -98,8 +98,8 @@ def library_path() -> Path | None:
     return path if path.exists() else None
 
 
-@cache
 def load_library(build: bool = False) -> ctypes.CDLL:
+    """The kernel library (opened once per path); `build=True` compiles it first if there is none."""
     path = library_path()
     if path is None:
         if not build:
@@ -107,8 +107,13 @@ def load_library(build: bool = False) -> ctypes.CDLL:
                 "the EXL3 CUDA kernels are not built: run `python -m sglang_exl3 build-kernels` (needs nvcc) "
                 "or set SGLANG_EXL3_KERNEL_LIB to a prebuilt libexl3_trellis .so")
         path = build_library()
+    return _open_library(str(path))
+
+
+@cache
+def _open_library(path: str) -> ctypes.CDLL:
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(path)
     except OSError as e:
         raise KernelLibraryUnavailable(f"cannot load {path}: {e}") from e
     if lib.exl3_abi_version() != ABI_VERSION:

@@ -122,7 +122,7 @@ def build_shard(record: Exl3ModuleRecord, got: dict[str, torch.Tensor], layer_pr
     )
 
 
-def cache_decoded(shards, backend: Backend) -> None:
+def prepare_for_backend(shards, backend: Backend) -> None:
     """Per-backend load-time preparation. The torch backend decodes each trellis once (its forward is then two
     rotations and a matmul); our CUDA kernels take the trellis with each column strip's tiles contiguous."""
     for shard in shards:
@@ -225,7 +225,7 @@ class Exl3LinearMethod(LinearMethodBase):
         shards = [build_shard(plan.record, layer.exl3_loaded[plan.shard_id], self.prefix, device,
                               plan.out_features, rows=plan.rows, columns=plan.columns)
                   for plan in layer.exl3_plans]
-        cache_decoded(shards, backend)
+        prepare_for_backend(shards, backend)
         layer.exl3_shards = shards
         layer.exl3_backend = int(backend)
         del layer.exl3_loaded

@@ -26,14 +26,12 @@ from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers.linear import (
     Exl3Shard,
     build_shard,
-    cache_decoded,
+    prepare_for_backend,
     register_placeholders,
     release_placeholders,
     run_shard,
 )
 from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
-
-PARITY = "parity"  # sglang_exl3.runtime.moe_plan.PARITY (imported lazily with the plan)
 
 ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
 GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
@@ -45,6 +43,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.prefix = prefix
         self.config = config
         self.moe_runner_config = None
+        self.runners = {}  # plan path -> forward, set with the plan after loading
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra) -> None:
@@ -97,7 +96,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         experts = []
         for local_e in range(layer.num_local_experts):
             shards = {role: self._build(layer, local[local_e], role, cut, device) for role in ROLES}
-            cache_decoded(shards.values(), backend)
+            prepare_for_backend(shards.values(), backend)
             experts.append(shards)
         layer.exl3_experts = experts
         layer.exl3_backend = int(backend)
@@ -107,8 +106,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     def _attach_plan(self, layer: torch.nn.Module) -> None:
         """The model's dispatch plan (one per config scope and role; knob errors surface here, at load)."""
-        from sglang_exl3.runtime.moe_plan import PLANS, build_moe_plan, layer_role
+        from sglang_exl3.runtime.moe_plan import DECODE, PARITY, PLANS, PREFILL, build_moe_plan, layer_role
 
+        self.runners = {DECODE: self._all_experts, PREFILL: self._all_experts, PARITY: self._routed_experts}
         layer.exl3_role = layer_role(self.prefix, getattr(layer, "exl3_is_draft", None))
         owner = self.config if self.config is not None else layer
         layer.exl3_plan = PLANS.plan_for(owner, layer.exl3_role,
@@ -129,8 +129,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
         for path, r0, r1 in layer.exl3_plan.segments(x16.shape[0], capturing, self.prefix, layer.exl3_role):
-            run = self._all_experts if path != PARITY else self._routed_experts
-            out[r0:r1] = run(layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
+            out[r0:r1] = self.runners[path](layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None:
             out *= scale
