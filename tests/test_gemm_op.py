@@ -1,5 +1,6 @@
 """`torch.ops.exl3.gemm`: equals the reference codec and traces under torch.compile(fullgraph=True)."""
 
+import pytest
 import torch
 
 from sglang_exl3.codec import exl3_linear_reference
@@ -53,3 +54,52 @@ def test_fake_impl_shapes():
         y_cuda = torch.ops.exl3.gemm(x, prepare(t), s1, s2, None, 2, int(Backend.CUDA))
     assert tuple(y.shape) == (9, 384) and y.dtype == torch.float16
     assert tuple(y_cuda.shape) == (9, 384) and y_cuda.dtype == torch.float16
+
+
+def test_group_op_fake_shape_and_trace():
+    """The grouped op's output width is the sum of its sources' (kernel-layout) widths, under fake tensors and
+    torch.compile with a dynamic row count, so SGLang's piecewise graphs can trace a grouped q/k/v."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sglang_exl3.kernels.cuda_trellis import prepare
+
+    srcs = [_layer(3 + i, n=n) for i, n in enumerate((384, 128, 128))]
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(5, 256).half())
+        tiles = [prepare(mode.from_tensor(t)) for t, _, _ in srcs]
+        suh = [mode.from_tensor(s) for _, s, _ in srcs]
+        svh = [mode.from_tensor(v) for _, _, v in srcs]
+        table = mode.from_tensor(torch.zeros(3, 8, dtype=torch.int64))
+        y = torch.ops.exl3.gemm_group(x, tiles, suh, svh, table, [3, 16, 0, 640, 0, 6], 1)
+    assert tuple(y.shape) == (5, 640) and y.dtype == torch.float16
+
+    def forward(x, tiles, table):
+        return torch.ops.exl3.gemm_group(x, tiles, suh, svh, table, [3, 16, 0, 640, 0, 6], 1) + 1
+
+    gm = torch.compile(forward, fullgraph=True, dynamic=True, backend="eager")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(7, 256).half())
+        out = gm(x, [prepare(t) for t, _, _ in srcs], torch.zeros(3, 8, dtype=torch.int64))
+    assert tuple(out.shape) == (7, 640)
+
+
+def test_group_only_for_sources_that_can_share_launches():
+    """Grouping needs our CUDA kernels, shared K/bits/codebook and untrimmed whole-block widths; anything else
+    keeps the per-source path (grouping those would compute garbage, not fail)."""
+    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.layers.linear import Exl3Shard, group_shards
+
+    def shard(n, bits=3, cb=Codebook.MCG, out=None, k=256):
+        t, s, v = _layer(n, k=k, n=n, bits=bits)
+        return Exl3Shard(key=f"s{n}", trellis=prepare(t), suh=s, svh=v, codebook=cb, out_features=out or n,
+                         kernel_layout=True)
+
+    assert group_shards([shard(256), shard(128)], Backend.TORCH) is None
+    assert group_shards([shard(256)], Backend.CUDA) is None
+    assert group_shards([shard(256), shard(128, bits=4)], Backend.CUDA) is None
+    assert group_shards([shard(256), shard(128, cb=Codebook.MUL1)], Backend.CUDA) is None
+    assert group_shards([shard(256), shard(128, k=512)], Backend.CUDA) is None
+    assert group_shards([shard(256), shard(128, out=112)], Backend.CUDA) is None  # trimmed width
+    assert group_shards([shard(256), shard(144)], Backend.CUDA) is None  # not whole Hadamard blocks
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_group is reached (needs CUDA)
+        group_shards([shard(256), shard(128)], Backend.CUDA)

@@ -275,7 +275,18 @@ class Exl3Group:
     partial_per_row: int  # sum over sources of splits * N
     k2: int
     codebook: int
-    sources: tuple
+    sources: tuple = ()
+
+    @property
+    def meta(self) -> list[int]:
+        """The ints a registered op needs to rebuild this group around its table (see from_meta)."""
+        return [self.num, self.k_tiles, self.total_items, self.total_cols, self.partial_per_row, self.k2]
+
+    @classmethod
+    def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int) -> Exl3Group:
+        num, k_tiles, total_items, total_cols, partial_per_row, k2 = meta
+        return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
+                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook))
 
 
 def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor], codebook: Codebook,

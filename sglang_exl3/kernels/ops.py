@@ -1,5 +1,6 @@
-"""`torch.ops.exl3.gemm`: the EXL3 linear as one registered op with a fake (meta) implementation,
-so `torch.compile` / SGLang's piecewise graphs trace through it and CUDA graphs capture it.
+"""`torch.ops.exl3.gemm` (one EXL3 linear) and `torch.ops.exl3.gemm_group` (same-input sources such as
+q/k/v run as one) as registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise
+graphs trace through them and CUDA graphs capture them.
 
 y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
 Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.
@@ -70,3 +71,21 @@ def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 def _(x, trellis, suh, svh, w_hat, codebook, backend):
     n_tiles = trellis.shape[0] if backend == Backend.CUDA else trellis.shape[1]
     return x.new_empty((x.shape[0], n_tiles * 16), dtype=torch.float16)
+
+
+@torch.library.custom_op("exl3::gemm_group", mutates_args=())
+def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
+                    table: torch.Tensor, meta: list[int], codebook: int) -> torch.Tensor:
+    """Our CUDA kernels only: fp16 [m, sum N] = the concatenated outputs of every source for fp16 x [m, K].
+    `tiles` are prepare()d; `table` and `meta` come from cuda_trellis.make_group (Exl3Group.meta)."""
+    from sglang_exl3.kernels.cuda_trellis import FUSED_CROSSOVER_M, Exl3Group, exl3_linear, group_linear
+
+    if x.shape[0] <= FUSED_CROSSOVER_M:
+        return group_linear(x, Exl3Group.from_meta(table, meta, codebook))
+    return torch.cat([exl3_linear(x, t, s, v, Codebook(codebook)) for t, s, v in zip(tiles, suh, svh, strict=True)],
+                     dim=1)
+
+
+@exl3_gemm_group.register_fake
+def _(x, tiles, suh, svh, table, meta, codebook):
+    return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16), dtype=torch.float16)

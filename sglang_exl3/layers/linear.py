@@ -6,7 +6,8 @@ parameters named like the checkpoint suffixes (`trellis`, `suh`, `svh`, `su`, `s
 receive whole tensors per shard; `process_weights_after_loading` checks them against the
 checkpoint's records (so a silently skipped tensor is an error at load time), slices them for this
 tensor-parallel rank in 128-element units, moves them to the device and, for the torch backend,
-caches the decoded W_hat. `apply` runs `torch.ops.exl3.gemm` per shard.
+caches the decoded W_hat. `apply` runs `torch.ops.exl3.gemm` per shard, or, on our CUDA kernels, one
+`torch.ops.exl3.gemm_group` for all the same-input shards of a fused layer.
 """
 
 from __future__ import annotations
@@ -135,6 +136,28 @@ def prepare_for_backend(shards, backend: Backend) -> None:
             shard.kernel_layout = True
 
 
+def group_shards(shards: list[Exl3Shard], backend: Backend):
+    """One same-input group for a fused layer's sources (q/k/v, gate/up) on our CUDA kernels, so small-m forwards
+    take 3 launches instead of 3 per source; None where the sources cannot share launches (different K, bits
+    or codebook, an output width that is trimmed or not whole Hadamard blocks)."""
+    if backend != Backend.CUDA or len(shards) < 2 or not all(s.kernel_layout for s in shards):
+        return None
+    first = shards[0]
+    for s in shards:
+        n = s.trellis.shape[0] * 16
+        if (s.trellis.shape[1:] != first.trellis.shape[1:] or s.codebook != first.codebook
+                or n != s.out_features or n % 128):
+            return None
+    from sglang_exl3.kernels.cuda_trellis import make_group
+
+    return make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards], first.codebook)
+
+
+def run_group(x16: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
+    return torch.ops.exl3.gemm_group(x16.contiguous(), [s.trellis for s in shards], [s.suh for s in shards],
+                                     [s.svh for s in shards], group.table, group.meta, group.codebook)
+
+
 def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torch.Tensor:
     """fp16 x [m, <=K] -> fp16 [m, s.out_features]: input zero-padded to the packed K, output trimmed to
     the logical width (or zero-padded, for an lm_head partition wider than the packed vocab)."""
@@ -227,6 +250,7 @@ class Exl3LinearMethod(LinearMethodBase):
                   for plan in layer.exl3_plans]
         prepare_for_backend(shards, backend)
         layer.exl3_shards = shards
+        layer.exl3_group = group_shards(shards, backend)
         layer.exl3_backend = int(backend)
         del layer.exl3_loaded
         release_placeholders(layer, device)
@@ -238,8 +262,11 @@ class Exl3LinearMethod(LinearMethodBase):
         lead, width = x.shape[:-1], x.shape[-1]
         where = f"EXL3 {self.prefix}"
         x16 = pad_input(x.reshape(-1, width).to(torch.float16), layer.exl3_shards[0].in_features, where)
-        outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if layer.exl3_group is not None:
+            y = run_group(x16, layer.exl3_shards, layer.exl3_group)
+        else:
+            outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if bias is not None:
             y = y.float() + bias.float()
         return y.to(x.dtype).reshape(*lead, y.shape[-1])

@@ -201,3 +201,20 @@ def test_group_rejects_mismatched_sources():
     s, v = torch.ones(128, device="cuda").half(), torch.ones(128, device="cuda").half()
     with pytest.raises(ValueError, match="share K, bits and codebook"):
         ck.make_group([a, b], [s, s], [v, v], Codebook.MCG)
+
+
+@pytest.mark.parametrize("m", [3, ck.FUSED_CROSSOVER_M + 9])
+def test_group_op_both_sides_of_the_crossover(m):
+    """torch.ops.exl3.gemm_group as Exl3LinearMethod calls it: grouped kernel up to the crossover, per-source
+    reconstruct + cuBLAS above it; both match the reference codec."""
+    from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
+
+    srcs = [_case(256, n, 4, m, seed=70 + i) for i, n in enumerate((256, 128, 128))]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    suh, svh = [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs]
+    group = ck.make_group(tiles, suh, svh, Codebook.INST3)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).half()
+    y = torch.ops.exl3.gemm_group(x.cuda(), tiles, suh, svh, group.table, group.meta, group.codebook)
+    ref = torch.cat([exl3_linear_reference(x, t, s, v, Codebook.INST3) for t, s, v, _ in srcs], dim=1)
+    assert not torch.isnan(y).any()
+    assert _rel(y.cpu(), ref) < 2e-3
