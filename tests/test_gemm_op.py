@@ -103,3 +103,38 @@ def test_group_only_for_sources_that_can_share_launches():
     assert group_shards([shard(256), shard(144)], Backend.CUDA) is None  # not whole Hadamard blocks
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_group is reached (needs CUDA)
         group_shards([shard(256), shard(128)], Backend.CUDA)
+
+
+def test_moe_routed_op_fake_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(3, 256).half())
+        ids = mode.from_tensor(torch.zeros(3, 2, dtype=torch.int64))
+        w = mode.from_tensor(torch.rand(3, 2))
+        rows = mode.from_tensor(torch.zeros(4, 8, dtype=torch.int64))
+        y = torch.ops.exl3.moe_routed(x, ids, w, rows, rows, rows, [16, 16, 4, 6, 1], [16, 16, 4, 6, 1], False)
+    assert tuple(y.shape) == (3, 256) and y.dtype == torch.float32
+
+
+def test_expert_banks_only_for_uniform_experts_on_our_kernels():
+    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.layers.linear import Exl3Shard
+    from sglang_exl3.layers.moe import expert_banks
+
+    def shard(k, n, bits=3, cb=Codebook.MCG, out=None):
+        t, s, v = _layer(k + n, k=k, n=n, bits=bits)
+        return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=cb, out_features=out or n,
+                         kernel_layout=True)
+
+    def expert(**kw):
+        return {"w1": shard(256, 128, **kw), "w3": shard(256, 128, **kw), "w2": shard(128, 256)}
+
+    assert expert_banks([expert(), expert()], Backend.TORCH) is None
+    assert expert_banks([expert(), expert(bits=4)], Backend.CUDA) is None  # mixed bitrates
+    assert expert_banks([expert(), expert(cb=Codebook.MUL1)], Backend.CUDA) is None
+    trimmed = expert()
+    trimmed["w2"] = shard(128, 256, out=240)
+    assert expert_banks([expert(), trimmed], Backend.CUDA) is None
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_expert_bank is reached
+        expert_banks([expert(), expert()], Backend.CUDA)

@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 2
+ABI_VERSION = 3
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -308,11 +308,99 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
         _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
         _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
         sp = splits[i] if splits else default_splits(kt, nt, t.device)
-        rows.append([t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp, item, col, base])
+        rows.append([t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), _pack_tiles_splits(nt, sp), 0, item, col,
+                     base])
         item, col, base = item + nt * sp, col + nt * 16, base + sp * nt * 16
     table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+
+
+def _pack_tiles_splits(n_tiles: int, splits: int) -> int:
+    """GroupSource's two int32 fields n_tiles, splits as one little-endian int64."""
+    return n_tiles | (splits << 32)
+
+
+@dataclass(frozen=True)
+class Exl3ExpertBank:
+    """One role (gate, up or down) of a MoE layer's local experts as GroupSource rows [E, 8] in device memory, for
+    routed groups: one source per (token, expert) pair, gathered on the device from the routing (capturable).
+    Every expert of a bank shares K, N, bits and codebook."""
+
+    rows: torch.Tensor  # int64 [E, 8]: tiles, suh, svh, n_tiles | splits << 32, then 4 fields set per pair
+    n_tiles: int
+    k_tiles: int
+    splits: int
+    k2: int
+    codebook: int
+    sources: tuple = ()
+
+    @property
+    def meta(self) -> list[int]:
+        return [self.n_tiles, self.k_tiles, self.splits, self.k2, self.codebook]
+
+    @classmethod
+    def from_meta(cls, rows: torch.Tensor, meta: list[int]) -> Exl3ExpertBank:
+        n_tiles, k_tiles, splits, k2, codebook = meta
+        return cls(rows=rows, n_tiles=n_tiles, k_tiles=k_tiles, splits=splits, k2=k2, codebook=codebook)
+
+
+def make_expert_bank(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
+                     codebook: Codebook, splits: int | None = None) -> Exl3ExpertBank:
+    if not tiles or not (len(tiles) == len(suh) == len(svh)):
+        raise ValueError("an expert bank needs matching, non-empty lists of tiles, suh and svh")
+    nt, kt, k2 = tiles[0].shape[0], tiles[0].shape[1], _k2(tiles[0])
+    for i, t in enumerate(tiles):
+        _check_tiles(t)
+        if tuple(t.shape) != tuple(tiles[0].shape):
+            raise ValueError(f"expert {i}: weights {tuple(t.shape)}, expert 0 {tuple(tiles[0].shape)} (the experts "
+                             "of one bank share K, N and bits)")
+        _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
+        _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
+    if nt * 16 % 128:
+        raise ValueError(f"expert bank: N = {nt * 16} is not a multiple of 128")
+    sp = splits or default_splits(kt, nt, tiles[0].device)
+    rows = [[t.data_ptr(), u.data_ptr(), v.data_ptr(), _pack_tiles_splits(nt, sp), 0, 0, 0, 0]
+            for t, u, v in zip(tiles, suh, svh, strict=True)]
+    return Exl3ExpertBank(rows=torch.tensor(rows, dtype=torch.int64).to(tiles[0].device), n_tiles=nt, k_tiles=kt,
+                          splits=sp, k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+
+
+def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
+                  x_rows: torch.Tensor) -> list[torch.Tensor]:
+    """For every pair p: bank_b's expert ids[p] applied to x[x_rows[p]], for each bank b, in three launches in all.
+    x fp16 [R, K]; ids, x_rows int64 [P] on the device (ids valid local experts). Returns fp16 [P, N_b] per bank."""
+    first = banks[0]
+    for b in banks:
+        if (b.k_tiles, b.k2, b.codebook) != (first.k_tiles, first.k2, first.codebook):
+            raise ValueError("the banks of one routed launch share K, bits and codebook")
+    _check_fp16("x", x, (x.shape[0], first.k_tiles * 16))
+    pairs = ids.shape[0]
+    if pairs == 0:
+        return [torch.empty(0, b.n_tiles * 16, dtype=torch.float16, device=x.device) for b in banks]
+    arange = torch.arange(pairs, device=x.device, dtype=torch.int64)
+    parts, item, col, base, widths = [], 0, 0, 0, []
+    for b in banks:
+        n = b.n_tiles * 16
+        rows = b.rows.index_select(0, ids)
+        per = torch.stack([x_rows.to(torch.int64), item + arange * (b.n_tiles * b.splits), col + arange * n,
+                           base + arange * (b.splits * n)], dim=1)
+        parts.append(torch.cat([rows[:, :4], per], dim=1))
+        item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
+        widths.append(n)
+    table = torch.cat(parts).contiguous()
+    num = len(banks) * pairs
+    xh = torch.empty(num, 1, first.k_tiles * 16, dtype=torch.float16, device=x.device)
+    partial = torch.empty(base, dtype=torch.float32, device=x.device)
+    out = torch.empty(1, col, dtype=torch.float16, device=x.device)
+    _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
+                                            out.data_ptr(), 1, first.k_tiles, item, col, first.k2, first.codebook,
+                                            _stream(x)), "routed linear")
+    outs, at = [], 0
+    for n in widths:
+        outs.append(out[0, at:at + pairs * n].view(pairs, n))
+        at += pairs * n
+    return outs
 
 
 def group_linear(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""`torch.ops.exl3.gemm` (one EXL3 linear) and `torch.ops.exl3.gemm_group` (same-input sources such as
-q/k/v run as one) as registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise
-graphs trace through them and CUDA graphs capture them.
+"""Registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise graphs trace
+through them and CUDA graphs capture them: `torch.ops.exl3.gemm` (one EXL3 linear), `torch.ops.exl3.gemm_group`
+(same-input sources such as q/k/v run as one) and `torch.ops.exl3.moe_routed` (MoE experts on their routed
+tokens only).
 
 y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
 Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.
@@ -89,3 +90,32 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
 @exl3_gemm_group.register_fake
 def _(x, tiles, suh, svh, table, meta, codebook):
     return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16), dtype=torch.float16)
+
+
+@torch.library.custom_op("exl3::moe_routed", mutates_args=())
+def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
+                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
+                    gelu: bool) -> torch.Tensor:
+    """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
+    for fp16 x [m, K]; only routed experts are read (ids < 0: another expert-parallel rank's, weight 0). The
+    rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, routed_linear
+
+    m, topk = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = ids >= 0
+    ids = ids.clamp(min=0)
+    tokens = torch.arange(m, device=x.device, dtype=torch.int64).repeat_interleave(topk)
+    gate, up = routed_linear(x, [Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
+                                 Exl3ExpertBank.from_meta(up_rows, gate_up_meta)], ids, tokens)
+    act = torch.nn.functional.gelu(gate.float(), approximate="tanh") if gelu else torch.nn.functional.silu(gate.float())
+    hidden = (act * up.float()).to(torch.float16)
+    (y,) = routed_linear(hidden, [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids,
+                         torch.arange(ids.shape[0], device=x.device, dtype=torch.int64))
+    weights = (topk_weights.float().reshape(-1) * valid).reshape(m, topk, 1)
+    return (y.float().reshape(m, topk, -1) * weights).sum(dim=1)
+
+
+@exl3_moe_routed.register_fake
+def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu):
+    return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=torch.float32)

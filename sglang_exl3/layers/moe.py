@@ -9,10 +9,13 @@ intermediate dimension for MoE tensor parallelism in 128-element units.
 
 Forward: the model's MoE dispatch plan (`sglang_exl3.runtime.moe_plan`, built once per model scope and
 role after loading, knobs validated then) sends a batch of m rows to the decode plan, the prefill plan (in
-slices of its capacity) or the eager parity path. Until the grouped trellis kernels exist, the decode and
-prefill plans run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing
-weight (no host sync, fixed shapes: CUDA-graph capturable, E x the dense FLOPs); the parity path runs only
-the routed experts on their rows (data-dependent shapes: eager only, and refused during graph capture).
+slices of its capacity) or the eager parity path. On our CUDA kernels the decode and prefill plans run
+`torch.ops.exl3.moe_routed`: only the routed experts, one (token, expert) pair per source of a routed group
+whose table is gathered on the device from the routing (no host sync: CUDA-graph capturable), gate and up in
+one launch set, down in another. Elsewhere (torch/exllamav3 backends, experts of mixed bitrates) they run every
+local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing weight (capturable, E x the
+dense FLOPs). The parity path runs only the routed experts on their rows (data-dependent shapes: eager only,
+and refused during graph capture).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from sglang_exl3.format import Exl3ModuleRecord
-from sglang_exl3.kernels.backends import resolve_backend
+from sglang_exl3.kernels.backends import Backend, resolve_backend
 from sglang_exl3.layers.linear import (
     Exl3Shard,
     build_shard,
@@ -100,6 +103,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             experts.append(shards)
         layer.exl3_experts = experts
         layer.exl3_backend = int(backend)
+        layer.exl3_banks = expert_banks(experts, backend)
         del layer.exl3_moe_loaded
         for group in GROUPS:
             release_placeholders(layer, device, group)
@@ -108,7 +112,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         """The model's dispatch plan (one per config scope and role; knob errors surface here, at load)."""
         from sglang_exl3.runtime.moe_plan import DECODE, PARITY, PLANS, PREFILL, build_moe_plan, layer_role
 
-        self.runners = {DECODE: self._all_experts, PREFILL: self._all_experts, PARITY: self._routed_experts}
+        self.runners = {DECODE: self._capturable, PREFILL: self._capturable, PARITY: self._routed_experts}
         layer.exl3_role = layer_role(self.prefix, getattr(layer, "exl3_is_draft", None))
         owner = self.config if self.config is not None else layer
         layer.exl3_plan = PLANS.plan_for(owner, layer.exl3_role,
@@ -146,6 +150,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             hidden = torch.nn.functional.gelu(gate, approximate="tanh") * up
         return run_shard(hidden.to(torch.float16), shards["w2"], layer.exl3_backend, where).float()
 
+    def _capturable(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
+        """Decode and prefill plans: routed groups on our CUDA kernels, else every expert on every row."""
+        banks = layer.exl3_banks
+        if banks is None:
+            return self._all_experts(layer, x16, topk_weights, topk_ids)
+        gate, up, down = banks
+        return torch.ops.exl3.moe_routed(x16.contiguous(), topk_ids, topk_weights, gate.rows, up.rows, down.rows,
+                                         gate.meta, down.meta, self.moe_runner_config.activation == "gelu")
+
     def _all_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
         """Capturable: every local expert on every row, weighted (0 where the expert is not routed)."""
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x16.device)
@@ -161,6 +174,26 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, topk_weights[rows, slot].float()[:, None] * self._expert(layer, e, x16[rows]))
         return out
+
+
+def expert_banks(experts: list[dict[str, Exl3Shard]], backend: Backend):
+    """(gate, up, down) expert banks for routed groups on our CUDA kernels; None where they cannot be built (another
+    backend; experts of different bits, codebooks or shapes; output widths that are trimmed or not whole blocks)."""
+    if backend != Backend.CUDA or not experts:
+        return None
+    first = experts[0]
+    for shards in experts:
+        for role, s in shards.items():
+            ref = first[role]
+            if (tuple(s.trellis.shape) != tuple(ref.trellis.shape) or s.codebook != ref.codebook
+                    or s.trellis.shape[0] * 16 != s.out_features or s.out_features % 128 or not s.kernel_layout):
+                return None
+    if first["w1"].codebook != first["w3"].codebook or first["w1"].trellis.shape != first["w3"].trellis.shape:
+        return None  # gate and up share launches: one shape, bitrate and codebook
+    from sglang_exl3.kernels.cuda_trellis import make_expert_bank
+
+    return tuple(make_expert_bank([e[role].trellis for e in experts], [e[role].suh for e in experts],
+                                  [e[role].svh for e in experts], first[role].codebook) for role in ROLES)
 
 
 def scheduler_token_bound(config=None) -> int:

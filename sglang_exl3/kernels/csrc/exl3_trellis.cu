@@ -359,24 +359,37 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_kernel(const half* __restric
   if (item < n_tiles * splits) gemm_warp<K2, CB, MT, DEPTH>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item);
 }
 
-// ---- same-input groups (q/k/v, gate/up): one launch per stage for all sources ------------------------
-// The table is built once per layer at load (device memory, so CUDA graphs capture pointers to it).
+// ---- groups of sources: one launch per stage for all of them -----------------------------------------
+// Same-input groups (q/k/v, gate/up): every source reads rows [0, m) of x; the table is built once per layer
+// at load. Routed-expert groups (MoE): one source per (token, expert) pair with m = 1, reading x row `x_row`;
+// the table is gathered on the device from the routing, so CUDA graphs capture it.
 struct GroupSource {
   const uint32_t* tiles;  // kernel layout [n_tiles, k_tiles, words]
   const half* suh;        // [K]
   const half* svh;        // [n_tiles * 16]
-  long long n_tiles;
-  long long splits;
+  int n_tiles;
+  int splits;
+  long long x_row;         // first row of x this source reads
   long long item_begin;    // first GEMM work item of this source (items of all sources are numbered in order)
   long long col_begin;     // first column of this source in the concatenated output
   long long partial_base;  // this source's partials start at partial + partial_base * m ([splits, m, N])
 };
 static_assert(sizeof(GroupSource) == 64, "the Python side writes 8 int64 per source");
 
+// The last source whose `begin` (item_begin or col_begin: ascending) is <= v; binary search, as a routed group
+// may hold thousands of sources.
+template <typename Field>
+__device__ __forceinline__ int group_source_at(const GroupSource* srcs, int num, long long v, Field begin) {
+  int lo = 0, hi = num - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (begin(srcs[mid]) <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 __device__ __forceinline__ int group_source_of_item(const GroupSource* srcs, int num, long long item) {
-  int s = 0;
-  while (s + 1 < num && item >= srcs[s + 1].item_begin) ++s;
-  return s;
+  return group_source_at(srcs, num, item, [](const GroupSource& g) { return g.item_begin; });
 }
 
 template <int K2, int CB, int MT, int DEPTH>
@@ -389,7 +402,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
   const int s = group_source_of_item(srcs, num, item);
   const GroupSource& src = srcs[s];
   gemm_warp<K2, CB, MT, DEPTH>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
-                               k_tiles, (int)src.n_tiles, (int)src.splits, item - (int)src.item_begin);
+                               k_tiles, src.n_tiles, src.splits, item - (int)src.item_begin);
 }
 
 // ---- Hadamard-128 rotations (fp32 butterflies in exllamav3's stage order: bit-exact had_r_128) --
@@ -482,15 +495,15 @@ __global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict
   had_out_block(acc + at, (size_t)rows * cols, splits, svh + c0, out + at, threadIdx.x & 31);
 }
 
-// Group: xh_all[s, r, :] = had_in(x[r, :], suh_s) for every source s
+// Group: xh_all[s, r, :] = had_in(x[x_row_s + r, :], suh_s) for every source s
 __global__ void had_in_group_kernel(const half* __restrict__ x, const GroupSource* __restrict__ srcs, int num,
                                     half* __restrict__ xh_all, int rows, int cols) {
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128, per_source = rows * blocks;
   if (item >= num * per_source) return;
   const int s = item / per_source, r = (item % per_source) / blocks, c0 = (item % blocks) * 128;
-  had_in_block(x + (size_t)r * cols + c0, srcs[s].suh + c0, xh_all + ((size_t)s * rows + r) * cols + c0,
-               threadIdx.x & 31);
+  had_in_block(x + (size_t)(srcs[s].x_row + r) * cols + c0, srcs[s].suh + c0,
+               xh_all + ((size_t)s * rows + r) * cols + c0, threadIdx.x & 31);
 }
 
 // Group: out[r, col_begin_s + c] = had_out of source s's partials, for the concatenated output [rows, total_cols]
@@ -500,12 +513,11 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
   const int blocks = total_cols / 128;
   if (item >= rows * blocks) return;
   const int r = item / blocks, col = (item % blocks) * 128;
-  int s = 0;
-  while (s + 1 < num && col >= srcs[s + 1].col_begin) ++s;
+  const int s = group_source_at(srcs, num, col, [](const GroupSource& g) { return g.col_begin; });
   const GroupSource& src = srcs[s];
-  const int n = (int)src.n_tiles * 16, c0 = col - (int)src.col_begin;
+  const int n = src.n_tiles * 16, c0 = col - (int)src.col_begin;
   const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
-  had_out_block(acc, (size_t)rows * n, (int)src.splits, src.svh + c0, out + (size_t)r * total_cols + col,
+  had_out_block(acc, (size_t)rows * n, src.splits, src.svh + c0, out + (size_t)r * total_cols + col,
                 threadIdx.x & 31);
 }
 
@@ -635,7 +647,7 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   return (int)cudaGetLastError();
 }
 
-int exl3_abi_version(void) { return 2; }
+int exl3_abi_version(void) { return 3; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
