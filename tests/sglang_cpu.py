@@ -75,13 +75,16 @@ def process(module: torch.nn.Module) -> None:
 
 
 def load_model(path: Path):
-    """SGLang's own model class for the checkpoint, weights loaded through its load_weights."""
+    """SGLang's own model class for the checkpoint, weights loaded (and processed after loading) by SGLang's
+    default loader, as in a server."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
     from sglang.srt.models.registry import ModelRegistry
 
     hf, cfg = exl3_config(path)
     model_cls, _ = ModelRegistry.resolve_model_cls(hf.architectures)
     model = model_cls(hf, quant_config=cfg)
-    model.load_weights(safetensors_weights_iterator(sorted(glob.glob(str(path / "*.safetensors")))))
-    process(model)
+    # through the loader SGLang's server uses, so the plugin's hooks around it run as they would there
+    DefaultModelLoader.load_weights_and_postprocess(
+        model, safetensors_weights_iterator(sorted(glob.glob(str(path / "*.safetensors")))), torch.device("cpu"))
     return model, cfg

@@ -12,7 +12,7 @@ import torch
 from conftest import DATA, DENSE_CKPTS
 from sglang_cpu import exl3_config, load_model, process, sglang_runtime
 from sglang_exl3.codec import exl3_linear_reference
-from sglang_exl3.format import load_checkpoint
+from sglang_exl3.format import Codebook, load_checkpoint
 from sglang_exl3.layers.tp_slicing import Exl3SliceError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -241,24 +241,96 @@ def _rank_sliced_folder(tmp_path, **tail_overrides):
     return str(path)
 
 
-def test_rank_sliced_checkpoint_is_claimed_and_refused_with_a_clear_error(tmp_path):
+def test_rank_sliced_metadata_is_claimed_and_validated_at_load(tmp_path):
     """hybrid_tr3_tail makes a checkpoint EXL3 although quantization_config says modelopt (else its experts
-    would silently load as modelopt); its metadata is validated; loading it says plainly it is not supported."""
+    would silently load as modelopt), and its metadata is validated when the quantization config is built."""
     from sglang.srt.configs.model_config import ModelConfig
 
     from sglang_exl3.format.rank_sliced import RankSlicedError
     from sglang_exl3.layers.exl3_config import Exl3Config
 
-    path = _rank_sliced_folder(tmp_path)
-    config = ModelConfig(path)
+    config = ModelConfig(_rank_sliced_folder(tmp_path))
     assert config.quantization == "exl3"
     parsed = config._parse_quant_hf_config()
     assert parsed["quant_method"] == "exl3" and parsed["checkpoint_quant_method"].startswith("modelopt")
-    with pytest.raises(NotImplementedError, match=r"rank-sliced EXL3 MoE checkpoint .*3 bits, tp=1, 4 experts"):
-        Exl3Config.from_config({**parsed, "hf_config": config.hf_config})
     bad = ModelConfig(_rank_sliced_folder(tmp_path / "b", codebook="mul1"))
     with pytest.raises(RankSlicedError, match="requires the MCG codebook"):
         Exl3Config.from_config({**bad._parse_quant_hf_config(), "hf_config": bad.hf_config})
+
+
+def _load_rank_sliced(path):
+    """What a server does: ModelConfig (the plugin's hook claims the checkpoint), the quantization config from
+    its parsed quantization_config, SGLang's model class, SGLang's default loader (the plugin's hook normalises
+    the .rank{r} names)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.registry import ModelRegistry
+
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    config = ModelConfig(str(path))
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.hf_config.architectures)
+    cfg = Exl3Config.from_config({**config._parse_quant_hf_config(), "hf_config": config.hf_config,
+                                  "packed_modules_mapping": dict(getattr(model_cls, "packed_modules_mapping", {}))})
+    model = model_cls(config.hf_config, quant_config=cfg)
+    files = sorted(str(f) for f in path.glob("*.safetensors"))
+    DefaultModelLoader.load_weights_and_postprocess(model, safetensors_weights_iterator(files), torch.device("cpu"))
+    return model, cfg
+
+
+@pytest.mark.parametrize("layout", ["per_expert_v1", "shared_h_v1"])
+def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout):
+    """A rank-sliced Qwen3-MoE checkpoint (the reference layout, written by the project's writer) through SGLang's
+    real model class and loader: every MoE layer's output equals the codec run on this rank's .rank0 slices
+    (with the layer's shared hidden-side rotations under shared_h_v1); the rest is per-module EXL3."""
+    from test_sglang_moe import _dispatch
+
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
+                                        rotation_layout=layout, seed=3)
+    model, cfg = _load_rank_sliced(path)
+    ckpt = load_checkpoint(path)
+    assert cfg.rank_sliced is not None and cfg.rank_sliced_rank == 0
+
+    def t(name):
+        return ckpt.load_tensor(name)
+
+    def expert(layer, e, proj, x):
+        base = f"model.layers.{layer}.mlp.experts.{e}.{proj}.rank0"
+        side = "svh" if proj == "down_proj" else "suh"
+        shared = f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank0.{side}"
+        rot = {f: t(shared if layout == "shared_h_v1" and f == side else f"{base}.{f}") for f in ("suh", "svh")}
+        return exl3_linear_reference(x, t(f"{base}.trellis"), rot["suh"], rot["svh"], Codebook.MCG).float()
+
+    gen = torch.Generator().manual_seed(1)
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert type(experts.quant_method).__name__ == "Exl3MoEMethod" and experts.quant_method.pre_sliced
+        x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
+        w = torch.rand(5, 2, generator=gen)
+        out = experts.quant_method.apply(experts, _dispatch(x, w, ids)).hidden_states
+        want = torch.zeros(5, 256)
+        for r in range(5):
+            xr = x[r:r + 1].half()
+            for k in range(2):
+                e = int(ids[r, k])
+                h = (torch.nn.functional.silu(expert(i, e, "gate_proj", xr)) * expert(i, e, "up_proj", xr)).half()
+                want[r] += w[r, k] * expert(i, e, "down_proj", h)[0]
+        assert ((out.float() - want).norm() / want.norm()) < 1e-2, (layout, i)
+
+
+def test_rank_sliced_checkpoint_for_another_tp_is_refused_at_load(tmp_path):
+    from sglang_exl3.format.rank_sliced import RankSlicedError
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=1), bits=3, tp=2)
+    with pytest.raises(RankSlicedError, match=r"TP does not match runtime.*tp=2.*tp=1.*--tp 2"):
+        _load_rank_sliced(path)
 
 
 def test_rank_sliced_checkpoint_is_not_claimed_when_the_user_asks_for_another_method(tmp_path):

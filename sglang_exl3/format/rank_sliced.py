@@ -181,3 +181,52 @@ def normalize_weight_name(name: str, tp_rank: int, spec: RankSlicedSpec | None) 
         raise RankSlicedError(f"{name}: rotation_layout='shared_h_v1' must store H-side rotations under "
                               "experts.shared_h, not per expert")
     return f"{prefix}.{fld}"
+
+
+ROLE_PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # SGLang shard id, checkpoint name
+
+
+def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, layer: int, rank: int):
+    """(expert, SGLang role) -> Exl3ModuleRecord of rank `rank`'s slice of each routed expert of one layer, from the
+    `.rank{rank}` tensors (shared-H rotations filled in per expert). Records are keyed by the name the tensors load
+    under after `normalize_weight_name`. Every missing tensor and every bitrate that disagrees with the metadata is
+    an error here, at load time."""
+    from sglang_exl3.format.checkpoint import Exl3ModuleRecord
+    from sglang_exl3.format.constants import Codebook
+
+    stored = _stored_prefix(tensors, experts_prefix)
+    records, problems = {}, []
+    for e in range(spec.experts_per_layer):
+        for role, proj in ROLE_PROJECTIONS:
+            base = f"{stored}.{e}.{proj}.rank{rank}"
+            fields = {}
+            for fld in ("trellis", "suh", "svh", "mcg"):
+                name = f"{base}.{fld}"
+                if spec.rotation_layout == "shared_h_v1" and fld == H_SIDE[proj]:
+                    name = f"{stored}.shared_h.{proj}.rank{rank}.{fld}"
+                if name not in tensors:
+                    problems.append(name)
+                else:
+                    fields[fld] = tensors[name]
+            if "trellis" not in fields:
+                continue
+            k, n, words = fields["trellis"].shape
+            bits = words // 16
+            want = spec.expert_bits(layer, e)
+            if words % 16 or bits != want:
+                raise RankSlicedError(f"{base}.trellis: {words / 16:g} bits per weight, but hybrid_tr3_tail says "
+                                      f"expert {e} of layer {layer} has K={want}")
+            records[(e, role)] = Exl3ModuleRecord(key=f"{experts_prefix}.{e}.{proj}", tensors=fields, bits=bits,
+                                                  codebook=Codebook.MCG, in_features=k * 16, out_features=n * 16)
+    if problems:
+        raise RankSlicedError(f"rank-sliced EXL3 layer {layer}, rank {rank}: {len(problems)} tensor(s) missing, e.g. "
+                              f"{problems[:4]}; the checkpoint does not hold this rank's slices (tp={spec.tp})")
+    return records
+
+
+def _stored_prefix(tensors: dict, experts_prefix: str) -> str:
+    """The checkpoint's spelling of an SGLang experts prefix (with or without a leading `model.`)."""
+    for cand in (experts_prefix, f"model.{experts_prefix}", experts_prefix.removeprefix("model.")):
+        if any(f"{cand}.0.gate_proj.rank{r}.trellis" in tensors for r in range(2)):
+            return cand
+    return experts_prefix

@@ -1,6 +1,7 @@
 """Plugin hooks (SGLang's HookRegistry; no SGLang file is edited).
 
-`rank_sliced_quant_config`: claims rank-sliced EXL3 MoE checkpoints (`hybrid_tr3_tail`) for `exl3`.
+`rank_sliced_quant_config`: claims rank-sliced EXL3 MoE checkpoints (`hybrid_tr3_tail`) for `exl3`;
+`rank_sliced_weights`: gives the model this rank's expert slices under their per-expert names.
 
 `lm_head_quant_config`: some SGLang model classes (Mixtral, ...) build `ParallelLMHead` without
 passing `quant_config`, so an EXL3 `lm_head` would be built unquantized and its `.trellis` tensors
@@ -42,6 +43,28 @@ def rank_sliced_quant_config(original, self, *args, **kwargs):
     return parsed
 
 
+def rank_sliced_weights(original, model, weights, target_device):
+    """AROUND `DefaultModelLoader.load_weights_and_postprocess`: for a rank-sliced EXL3 checkpoint, the model sees
+    this rank's `.rank{r}` expert slices under their plain per-expert names (shared-H rotations under expert 0's)
+    and never the other ranks' tensors -- what the reference implementation's model loaders do before
+    auto-loading. Every other checkpoint passes through untouched."""
+    config = getattr(model, "quant_config", None)
+    if getattr(config, "rank_sliced", None) is None:
+        config = ACTIVE_CONFIG
+    if getattr(config, "rank_sliced", None) is not None:
+        weights = _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0)
+    return original(model, weights, target_device)
+
+
+def _normalized(weights, spec, rank: int):
+    from sglang_exl3.format.rank_sliced import normalize_weight_name
+
+    for name, tensor in weights:
+        local = normalize_weight_name(name, rank, spec)
+        if local is not None:
+            yield local, tensor
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -49,3 +72,5 @@ def register_hooks() -> None:
                           lm_head_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig._parse_quant_hf_config",
                           rank_sliced_quant_config, HookType.AROUND)
+    HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
+                          rank_sliced_weights, HookType.AROUND)

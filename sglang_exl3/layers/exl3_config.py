@@ -55,6 +55,8 @@ class Exl3Config(QuantizationConfig):
             _activate(self)  # a pass-through (bf16 draft) config: hooks must not inject the target's
         self.packed_modules_mapping = dict(DEFAULT_PACKED_MODULES)
         self.claimed: set[str] = set()  # checkpoint modules some SGLang layer will load
+        self.rank_sliced = None  # RankSlicedSpec of a hybrid_tr3_tail checkpoint
+        self.rank_sliced_rank: int | None = None  # the .rank{r} slices this process loads
         self._checked_claims = False
 
     def __repr__(self) -> str:
@@ -85,12 +87,18 @@ class Exl3Config(QuantizationConfig):
         if not path or not os.path.isdir(path):
             raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
                              f"path is {path!r}; pass a local folder to --model-path")
+        rank_sliced = None
         if config.get("hybrid_tr3_tail") is not None:
-            _refuse_rank_sliced(config, path)
+            from sglang_exl3.format.rank_sliced import parse
+
+            rank_sliced = parse(config, path)  # RankSlicedError naming the offending key
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
-        logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s", path, len(ckpt.modules),
-                    sorted({m.codebook.label for m in ckpt.modules.values()}))
+        logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s%s", path, len(ckpt.modules),
+                    sorted({m.codebook.label for m in ckpt.modules.values()}),
+                    f", rank-sliced experts ({rank_sliced.bits} bits, tp={rank_sliced.tp}, "
+                    f"{rank_sliced.rotation_layout})" if rank_sliced else "")
         out = cls(ckpt)
+        out.rank_sliced = rank_sliced
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         _activate(out)
         return out
@@ -169,6 +177,9 @@ class Exl3Config(QuantizationConfig):
         n = getattr(layer, "num_experts", None)
         if self.checkpoint is None or n is None:
             return None
+        layer_id = _LAYER_ID.search(f".{prefix}.")
+        if self.rank_sliced is not None and layer_id and self.rank_sliced.covers(int(layer_id.group(1))):
+            return self._rank_sliced_moe_method(layer, prefix, int(layer_id.group(1)))
         for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
             records = {(e, role): self.record_for(f"{prefix}.{e}.{name}")
                        for e in range(n) for role, name in zip(("w1", "w3", "w2"), names, strict=True)}
@@ -184,6 +195,24 @@ class Exl3Config(QuantizationConfig):
         return None
 
 
+    def _rank_sliced_moe_method(self, layer: torch.nn.Module, prefix: str, layer_id: int):
+        """Experts stored per tensor-parallel rank: this rank's slices, already cut, loaded under their
+        normalised names (`integration.hooks.rank_sliced_weights` drops the other ranks' tensors)."""
+        from sglang_exl3.format.rank_sliced import RankSlicedError, check_runtime, expert_records
+        from sglang_exl3.layers.moe import Exl3MoEMethod
+
+        spec = self.rank_sliced
+        if getattr(layer, "moe_ep_size", 1) > 1:
+            raise RankSlicedError(f"{prefix}: a rank-sliced EXL3 checkpoint holds each expert cut across tp={spec.tp} "
+                                  "ranks; expert parallelism cannot serve it. Drop --ep-size")
+        rank, size = getattr(layer, "moe_tp_rank", 0), getattr(layer, "moe_tp_size", 1)
+        check_runtime(spec, size, layer.num_experts)
+        self.rank_sliced_rank = rank
+        records = expert_records(self.checkpoint.tensors, spec, prefix, layer_id, rank)
+        return Exl3MoEMethod(records, prefix, self, pre_sliced=True,
+                             shared_h=spec.rotation_layout == "shared_h_v1")
+
+
 def _activate(config: Exl3Config) -> None:
     """Tell the plugin hooks which EXL3 config the model about to be built uses."""
     from sglang_exl3.integration.hooks import set_active_config
@@ -193,17 +222,3 @@ def _activate(config: Exl3Config) -> None:
 
 def _is_moe(layer: torch.nn.Module) -> bool:
     return type(layer).__name__ in ("FusedMoE", "EPMoE", "DeepEPMoE", "FlashInferFusedMoE")
-
-
-def _refuse_rank_sliced(config: dict[str, Any], path: str) -> None:
-    """Rank-sliced EXL3 MoE checkpoints are recognised and their metadata validated (every rejection of the
-    reference format), but their loader is not built yet: stop with that said, rather than serve the experts
-    as another method or fail later on a missing tensor."""
-    from sglang_exl3.format.rank_sliced import parse
-
-    spec = parse(config, path)  # RankSlicedError naming the offending key
-    raise NotImplementedError(
-        f"{path}: a rank-sliced EXL3 MoE checkpoint (hybrid_tr3_tail: {spec.bits} bits, tp={spec.tp}, "
-        f"{spec.experts_per_layer} experts, MoE layers {spec.moe_layers[0]}..{spec.moe_layers[1]}, "
-        f"{spec.rotation_layout}). sglang-exl3 validates this format but cannot load it yet; serve a per-expert "
-        "EXL3 checkpoint (exllamav3's converter output) instead")

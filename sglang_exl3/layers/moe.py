@@ -41,10 +41,13 @@ GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    def __init__(self, records: dict[tuple[int, str], Exl3ModuleRecord], prefix: str, config=None):
+    def __init__(self, records: dict[tuple[int, str], Exl3ModuleRecord], prefix: str, config=None,
+                 pre_sliced: bool = False, shared_h: bool = False):
         self.records = records  # (global expert id, role) -> record
         self.prefix = prefix
         self.config = config
+        self.pre_sliced = pre_sliced  # rank-sliced checkpoint: the records are this rank's slices already
+        self.shared_h = shared_h  # hidden-side rotations stored once per layer (loaded into expert 0's slot)
         self.moe_runner_config = None
         self.runners = {}  # plan path -> forward, set with the plan after loading
 
@@ -119,9 +122,22 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                          lambda: build_moe_plan(scheduler_token_bound(self.config)))
 
     def _build(self, layer, global_e: int, role: str, cut: Exl3Slice, device) -> Exl3Shard:
-        """gate/up keep this rank's intermediate columns, down its intermediate rows."""
+        """gate/up keep this rank's intermediate columns, down its intermediate rows (a rank-sliced checkpoint
+        stores exactly those)."""
         record = self.records[(global_e, role)]
         got = layer.exl3_moe_loaded.get((global_e, role), {})
+        if self.shared_h:
+            side = "svh" if role == "w2" else "suh"
+            shared = layer.exl3_moe_loaded.get((0, role), {}).get(side)
+            if shared is not None:
+                got = {**got, side: shared}
+        if self.pre_sliced:
+            width = record.in_features if role == "w2" else record.out_features
+            if width != cut.size:
+                raise ValueError(f"EXL3 MoE {self.prefix}: expert {global_e} {role} slice is {width} wide, but this "
+                                 f"rank runs {cut.size} intermediate features (rank-sliced checkpoint vs runtime TP)")
+            out = layer.hidden_size if role == "w2" else cut.size
+            return build_shard(record, got, self.prefix, device, out)
         if role == "w2":
             return build_shard(record, got, self.prefix, device, layer.hidden_size, rows=cut)
         return build_shard(record, got, self.prefix, device, cut.size, columns=cut)
