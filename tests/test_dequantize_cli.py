@@ -155,3 +155,30 @@ def test_dequantized_checkpoint_loads_in_transformers_without_missing_keys(tmp_p
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, 1000) and torch.isfinite(logits).all()
+
+
+def test_dequantize_rank_sliced_joins_the_slices_into_whole_experts(tmp_path):
+    """A rank-sliced checkpoint (tp=2, per-expert rotations) dequantizes to exactly the weights of the per-expert
+    checkpoint its slices were cut from (128-column slices commute with the block Hadamards), and the result
+    loads in transformers with no missing or unexpected keys."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    dims = ModelDims(num_hidden_layers=1)
+    sliced = write_rank_sliced_checkpoint(tmp_path / "rs", dims=dims, bits=3, tp=2, seed=4)
+    full = write_exl3_checkpoint(tmp_path / "full", "qwen3_moe", dims=dims, bits=3, codebook="mcg", seed=4,
+                                 with_tokenizer=False)
+    dequantize_checkpoint(sliced, tmp_path / "dq-rs", progress=False)
+    dequantize_checkpoint(full, tmp_path / "dq-full", progress=False)
+    got, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("dq-rs", "dq-full"))
+    assert set(got) == set(want)
+    experts = [n for n in want if ".experts." in n]
+    assert len(experts) == 4 * 3
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert "hybrid_tr3_tail" not in json.loads((tmp_path / "dq-rs" / "config.json").read_text())
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "dq-rs", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -2,8 +2,10 @@
 
 Every EXL3 linear becomes `<key>.weight` [out, in] = get_weight_tensor().T with the 128-padding
 trimmed (and `<key>.bias`); the fp16 weight is bit-identical to exllamav3's `get_weight_tensor()`
-(see codec/weight.py). Other tensors are copied; floating ones are cast to --dtype. config.json
-loses its quantization_config; tokenizer and other side files are copied. OUT must be empty.
+(see codec/weight.py). Rank-sliced experts (`hybrid_tr3_tail`) become whole per-expert weights: each
+rank's slice dequantized with its own (or the layer's shared-H) rotations, joined along the intermediate
+dimension. Other tensors are copied; floating ones are cast to --dtype. config.json loses its
+quantization_config (and hybrid_tr3_tail); tokenizer and other side files are copied. OUT must be empty.
 """
 
 from __future__ import annotations
@@ -38,8 +40,38 @@ def _module_weight(
     return w[:k, :n].T.contiguous(), bias
 
 
+def _rank_sliced_experts(ckpt: Exl3Checkpoint, device: str):
+    """(name, fp16 weight [out, in]) of every rank-sliced routed expert, its tp slices joined."""
+    from sglang_exl3.format.constants import Codebook
+    from sglang_exl3.format.rank_sliced import H_SIDE, parse
+
+    spec = parse(ckpt.config, ckpt.path)
+    for layer in range(spec.moe_layers[0], spec.moe_layers[1] + 1):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e in range(spec.experts_per_layer):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                parts = []
+                for r in range(spec.tp):
+                    base = f"{prefix}.{e}.{proj}.rank{r}"
+                    rot = {}
+                    for fld in ("suh", "svh"):
+                        shared = spec.rotation_layout == "shared_h_v1" and fld == H_SIDE[proj]
+                        name = f"{prefix}.shared_h.{proj}.rank{r}.{fld}" if shared else f"{base}.{fld}"
+                        rot[fld] = ckpt.load_tensor(name, device)
+                    w = dequantize_weight(ckpt.load_tensor(f"{base}.trellis", device), rot["suh"], rot["svh"],
+                                          Codebook.MCG)
+                    parts.append(w.T)  # [out, in] of this rank's slice
+                yield f"{prefix}.{e}.{proj}.weight", torch.cat(parts, dim=1 if proj == "down_proj" else 0)
+
+
+def _is_rank_sliced_tensor(name: str) -> bool:
+    from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, SHARED_H_WEIGHT_RE
+
+    return bool(RANK_SLICED_WEIGHT_RE.match(name) or SHARED_H_WEIGHT_RE.match(name))
+
+
 def _out_config(config: dict, dtype: str) -> dict:
-    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    out = {k: v for k, v in config.items() if k not in ("quantization_config", "hybrid_tr3_tail")}
     out["dtype"] = dtype
     out.pop("torch_dtype", None)
     return out
@@ -68,14 +100,20 @@ def dequantize_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     keys = list(ckpt.modules)
     meta_shapes = meta_model_shapes(ckpt.config)
-    plain = ckpt.plain_tensor_names()
-    items = [("exl3", k) for k in keys] + [("plain", n) for n in plain]
+    rank_sliced = "hybrid_tr3_tail" in ckpt.config
+    plain = [n for n in ckpt.plain_tensor_names() if not (rank_sliced and _is_rank_sliced_tensor(n))]
+    items = [("exl3", k) for k in keys] + [("plain", n) for n in plain] + ([("rank_sliced", "")] if rank_sliced
+                                                                          else [])
     if progress:
         from tqdm import tqdm
 
         items = tqdm(items, desc="dequantizing", unit="tensor")
     packer = ShardPacker(max_shard_bytes)
     for kind, name in items:
+        if kind == "rank_sliced":
+            for n, w in _rank_sliced_experts(ckpt, device):
+                packer.add({n: w.to(target).cpu()})
+            continue
         if kind == "exl3":
             weight, bias = _module_weight(ckpt, name, device, meta_shapes)
             tensors = {f"{name}.weight": weight.to(target).cpu()}
