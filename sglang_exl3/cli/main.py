@@ -39,8 +39,17 @@ def _write_fixture(args: argparse.Namespace) -> int:
     from sglang_exl3.synth.exl3_writer import LLAMA3_8B, ModelDims, write_exl3_checkpoint
 
     dims = LLAMA3_8B if args.shape == "llama3-8b" else ModelDims()
-    write_exl3_checkpoint(args.out, args.arch, dims=dims, bits=args.bits, codebook=args.codebook,
-                          head_bits=args.head_bits, seed=args.seed, progress=True)
+    if args.rank_sliced_tp:
+        from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+        if args.arch != "qwen3_moe" or args.shape != "tiny" or args.codebook != "mcg" or args.bits != int(args.bits):
+            raise SystemExit("--rank-sliced-tp writes the reference's rank-sliced layout for --arch qwen3_moe "
+                             "--shape tiny --codebook mcg with integer --bits")
+        write_rank_sliced_checkpoint(args.out, dims=dims, bits=int(args.bits), tp=args.rank_sliced_tp,
+                                     rotation_layout=args.rotation_layout, seed=args.seed, with_tokenizer=True)
+    else:
+        write_exl3_checkpoint(args.out, args.arch, dims=dims, bits=args.bits, codebook=args.codebook,
+                              head_bits=args.head_bits, seed=args.seed, progress=True)
     print(f"wrote {args.out}")
     return 0
 
@@ -87,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--head-bits", type=float, default=6)
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--rank-sliced-tp", type=int, default=0,
+                   help="write routed experts in the reference's rank-sliced layout (hybrid_tr3_tail) for this TP")
+    w.add_argument("--rotation-layout", choices=["per_expert_v1", "shared_h_v1"], default="per_expert_v1")
     w.set_defaults(func=_write_fixture)
     b = sub.add_parser("build-kernels", help="compile the EXL3 CUDA kernels with nvcc (once per GPU arch)")
     b.add_argument("--arch", default=None, help="e.g. 90 or sm_90 (default: this GPU's, else 90)")

@@ -41,13 +41,15 @@ def slice_expert(tensors: dict[str, torch.Tensor], proj: str, rank: int, tp: int
 
 
 def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = None, bits: int = 3, tp: int = 2,
-                                 rotation_layout: str = "per_expert_v1", seed: int = 0) -> Path:
+                                 rotation_layout: str = "per_expert_v1", seed: int = 0,
+                                 with_tokenizer: bool = False) -> Path:
     dims = dims or ModelDims()
     if dims.moe_intermediate_size % (tp * ALIGN):
         raise ValueError(f"moe_intermediate_size {dims.moe_intermediate_size} does not split into {tp} slices of "
                          f"a multiple of {ALIGN}")
     out = Path(out_dir)
-    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed, with_tokenizer=False)
+    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed,
+                          with_tokenizer=with_tokenizer)
     sidecar = json.loads((out / SIDECAR_NAME).read_text())
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):

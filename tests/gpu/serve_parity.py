@@ -234,16 +234,18 @@ def moe_shape(ckpt: Path) -> tuple[int, int] | None:
 def check_model(name: str, index: int, common: list[str], work: Path, out: Path, report: dict,
                 backend: str = "torch") -> bool:
     """Serve one checkpoint as EXL3 and as its fp16 twin (one pair at a time) and compare."""
+    src = Path(name) if Path(name).is_dir() else DATA / name  # a folder, or one of the exllamav3-made fixtures
+    name = src.name
     dq = work / f"{name}-fp16"
     if not dq.exists():
-        subprocess.run([sys.executable, "-m", "sglang_exl3", "dequantize", str(DATA / name), str(dq),
+        subprocess.run([sys.executable, "-m", "sglang_exl3", "dequantize", str(src), str(dq),
                         "--dtype", "float16", "--device", "cuda", "--quiet"], check=True)
     entry = report["models"].setdefault(name, {})
-    moe = moe_shape(DATA / name)
+    moe = moe_shape(src)
     routed = ["--enable-return-routed-experts"] if moe else []
     servers = {}
     try:
-        for j, (kind, path, extra) in enumerate((("exl3", DATA / name, ["--quantization", "exl3"]),
+        for j, (kind, path, extra) in enumerate((("exl3", src, ["--quantization", "exl3"]),
                                                   ("fp16", dq, []))):
             port = 31000 + 2 * index + j
             t0 = time.time()
