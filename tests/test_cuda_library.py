@@ -38,11 +38,27 @@ def test_no_nvcc_is_a_clear_error(monkeypatch, tmp_path):
         ck.build_library(out=tmp_path / "lib.so", arch="75")
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The kernel library compiled here (about a minute on two cores), shared by the tests below."""
+    if ck.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    lib = ctypes.CDLL(str(ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90")))
+    lib.exl3_group_probe.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
+                                     ctypes.c_void_p]
+    return lib
+
+
+def _probe(lib, table: torch.Tensor, item: int, col: int) -> list[int]:
+    out = torch.zeros(7, dtype=torch.int64)
+    assert lib.exl3_group_probe(table.data_ptr(), table.shape[0], item, col, out.data_ptr()) == 0
+    return out.tolist()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(ck.find_nvcc() is None, reason="needs nvcc")
-def test_source_compiles_and_abi_rejects_bad_arguments(tmp_path):
-    """About a minute on two cores: catches a kernel source that no longer compiles before a GPU run."""
-    lib = ctypes.CDLL(str(ck.build_library(out=tmp_path / "libexl3_trellis.so", arch="90")))
+def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
+    """Catches a kernel source that no longer compiles before a GPU run."""
+    lib = compiled
     assert lib.exl3_abi_version() == ck.ABI_VERSION
     lib.exl3_error_string.restype = ctypes.c_char_p
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -54,3 +70,33 @@ def test_source_compiles_and_abi_rejects_bad_arguments(tmp_path):
     assert lib.exl3_reconstruct(None, None, 4, 4, 2, 3, 64, 8, 1, None) == -3  # column tiles past N
     assert lib.exl3_reconstruct(None, None, 4, 4, 0, 4, 64, 9, 1, None) == -1  # 4.5 bits in MCG: unsupported
     assert b"unsupported" in lib.exl3_error_string(-1)
+
+
+@pytest.mark.slow
+def test_group_tables_read_back_as_the_kernels_read_them(compiled):
+    """The Python-built tables (same-input groups and routed MoE groups) decoded by the library's own struct and
+    source lookup on the host: every work item and output column lands in the source the Python side meant."""
+    # same-input group: q/k/v-like widths and split counts
+    sources = [(1000, 2000, 3000, 24, 5), (1100, 2100, 3100, 8, 11), (1200, 2200, 3200, 8, 3)]
+    rows, items, cols, _ = ck.group_table(sources)
+    table = torch.tensor(rows, dtype=torch.int64)
+    starts = [0, 24 * 5, 24 * 5 + 8 * 11]
+    for s, (_, _, _, nt, sp) in enumerate(sources):
+        for item in (starts[s], starts[s] + nt * sp - 1):
+            got = _probe(compiled, table, item, sum(x[3] for x in sources[:s]) * 16)
+            assert got[:6] == [s, s, nt, sp, 0, starts[s]], (s, item, got)
+    assert items == starts[-1] + 8 * 3 and cols == 40 * 16
+    # routed group: two banks (gate, up) x 5 pairs, each pair reading its own x row
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(10 + e, 20 + e, 30 + e) for e in range(6)], 48, 8), n_tiles=48,
+                               k_tiles=128, splits=8, k2=4, codebook=1) for _ in range(2)]
+    ids = torch.tensor([5, 0, 3, 3, 1])
+    x_rows = torch.tensor([0, 0, 1, 2, 2])
+    table, items, cols, partial, widths = ck.routed_table(banks, ids, x_rows)
+    per_item, per_col = 48 * 8, 48 * 16
+    assert table.shape == (10, 8) and items == 10 * per_item and cols == 10 * per_col and widths == [768, 768]
+    assert partial == 10 * 8 * 768
+    for s in range(10):
+        p = s % 5
+        got = _probe(compiled, table, s * per_item + per_item // 2, s * per_col + 5)
+        assert got == [s, s, 48, 8, int(x_rows[p]), s * per_item, s * 8 * 768], (s, got)
+        assert table[s, 0] == 10 + int(ids[p])  # the routed expert's weights

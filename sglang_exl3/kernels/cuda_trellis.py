@@ -297,7 +297,7 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
     for t in tiles:
         _check_tiles(t)
     kt, k2 = tiles[0].shape[1], _k2(tiles[0])
-    rows, item, col, base = [], 0, 0, 0
+    sources = []
     for i, t in enumerate(tiles):
         nt = t.shape[0]
         if t.shape[1] != kt or _k2(t) != k2:
@@ -308,12 +308,21 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
         _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
         _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
         sp = splits[i] if splits else default_splits(kt, nt, t.device)
-        rows.append([t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), _pack_tiles_splits(nt, sp), 0, item, col,
-                     base])
-        item, col, base = item + nt * sp, col + nt * 16, base + sp * nt * 16
+        sources.append((t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp))
+    rows, item, col, base = group_table(sources)
     table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+
+
+def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:
+    """GroupSource rows for same-input sources (tiles, suh, svh pointers, n_tiles, splits), numbered in order: the
+    rows, the total work items, output columns and partial elements per row."""
+    rows, item, col, base = [], 0, 0, 0
+    for tiles, suh, svh, nt, sp in sources:
+        rows.append([tiles, suh, svh, _pack_tiles_splits(nt, sp), 0, item, col, base])
+        item, col, base = item + nt * sp, col + nt * 16, base + sp * nt * 16
+    return rows, item, col, base
 
 
 def _pack_tiles_splits(n_tiles: int, splits: int) -> int:
@@ -360,10 +369,35 @@ def make_expert_bank(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: li
     if nt * 16 % 128:
         raise ValueError(f"expert bank: N = {nt * 16} is not a multiple of 128")
     sp = splits or default_splits(kt, nt, tiles[0].device)
-    rows = [[t.data_ptr(), u.data_ptr(), v.data_ptr(), _pack_tiles_splits(nt, sp), 0, 0, 0, 0]
-            for t, u, v in zip(tiles, suh, svh, strict=True)]
-    return Exl3ExpertBank(rows=torch.tensor(rows, dtype=torch.int64).to(tiles[0].device), n_tiles=nt, k_tiles=kt,
-                          splits=sp, k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+    rows = bank_rows([(t.data_ptr(), u.data_ptr(), v.data_ptr()) for t, u, v in zip(tiles, suh, svh, strict=True)],
+                     nt, sp)
+    return Exl3ExpertBank(rows=rows.to(tiles[0].device), n_tiles=nt, k_tiles=kt, splits=sp, k2=k2,
+                          codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+
+
+def bank_rows(pointers: list[tuple[int, int, int]], n_tiles: int, splits: int) -> torch.Tensor:
+    """int64 [E, 8] GroupSource rows of one bank (per-pair fields left 0: routed_table fills them)."""
+    return torch.tensor([[t, u, v, _pack_tiles_splits(n_tiles, splits), 0, 0, 0, 0] for t, u, v in pointers],
+                        dtype=torch.int64)
+
+
+def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_rows: torch.Tensor) -> tuple[torch.Tensor, int,
+                                                                                               int, int, list[int]]:
+    """GroupSource rows for every (bank, pair): bank b's expert ids[p] reading x row x_rows[p], numbered bank by
+    bank, pair by pair. Device ops only (capturable). Returns the table, total work items, output columns, partial
+    elements and each bank's output width."""
+    pairs = ids.shape[0]
+    arange = torch.arange(pairs, device=ids.device, dtype=torch.int64)
+    parts, item, col, base, widths = [], 0, 0, 0, []
+    for b in banks:
+        n = b.n_tiles * 16
+        rows = b.rows.index_select(0, ids)
+        per = torch.stack([x_rows.to(torch.int64), item + arange * (b.n_tiles * b.splits), col + arange * n,
+                           base + arange * (b.splits * n)], dim=1)
+        parts.append(torch.cat([rows[:, :4], per], dim=1))
+        item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
+        widths.append(n)
+    return torch.cat(parts).contiguous(), item, col, base, widths
 
 
 def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
@@ -378,17 +412,7 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
     pairs = ids.shape[0]
     if pairs == 0:
         return [torch.empty(0, b.n_tiles * 16, dtype=torch.float16, device=x.device) for b in banks]
-    arange = torch.arange(pairs, device=x.device, dtype=torch.int64)
-    parts, item, col, base, widths = [], 0, 0, 0, []
-    for b in banks:
-        n = b.n_tiles * 16
-        rows = b.rows.index_select(0, ids)
-        per = torch.stack([x_rows.to(torch.int64), item + arange * (b.n_tiles * b.splits), col + arange * n,
-                           base + arange * (b.splits * n)], dim=1)
-        parts.append(torch.cat([rows[:, :4], per], dim=1))
-        item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
-        widths.append(n)
-    table = torch.cat(parts).contiguous()
+    table, item, col, base, widths = routed_table(banks, ids, x_rows)
     num = len(banks) * pairs
     xh = torch.empty(num, 1, first.k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(base, dtype=torch.float32, device=x.device)

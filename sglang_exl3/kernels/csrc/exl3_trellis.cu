@@ -376,20 +376,20 @@ struct GroupSource {
 };
 static_assert(sizeof(GroupSource) == 64, "the Python side writes 8 int64 per source");
 
-// The last source whose `begin` (item_begin or col_begin: ascending) is <= v; binary search, as a routed group
-// may hold thousands of sources.
-template <typename Field>
-__device__ __forceinline__ int group_source_at(const GroupSource* srcs, int num, long long v, Field begin) {
+// The last source whose begin (item_begin, or col_begin with kCols: both ascending) is <= v; binary search, as a
+// routed group may hold thousands of sources. Host and device: the host probe below tests it without a GPU.
+template <bool kCols>
+__host__ __device__ __forceinline__ int group_source_at(const GroupSource* srcs, int num, long long v) {
   int lo = 0, hi = num - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (begin(srcs[mid]) <= v) lo = mid; else hi = mid - 1;
+    if ((kCols ? srcs[mid].col_begin : srcs[mid].item_begin) <= v) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
 
-__device__ __forceinline__ int group_source_of_item(const GroupSource* srcs, int num, long long item) {
-  return group_source_at(srcs, num, item, [](const GroupSource& g) { return g.item_begin; });
+__host__ __device__ __forceinline__ int group_source_of_item(const GroupSource* srcs, int num, long long item) {
+  return group_source_at<false>(srcs, num, item);
 }
 
 template <int K2, int CB, int MT, int DEPTH>
@@ -513,7 +513,7 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
   const int blocks = total_cols / 128;
   if (item >= rows * blocks) return;
   const int r = item / blocks, col = (item % blocks) * 128;
-  const int s = group_source_at(srcs, num, col, [](const GroupSource& g) { return g.col_begin; });
+  const int s = group_source_at<true>(srcs, num, col);
   const GroupSource& src = srcs[s];
   const int n = src.n_tiles * 16, c0 = col - (int)src.col_begin;
   const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
@@ -645,6 +645,23 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   if (code != 0) return code;
   had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
   return (int)cudaGetLastError();
+}
+
+// Host-side reading of a group table as the kernels read it (tests on machines without a GPU: the Python side's
+// packing and the source lookup). table in host memory; out[0..6] = source of `item`, source of `col`, and that
+// item's source's n_tiles, splits, x_row, item_begin, partial_base.
+int exl3_group_probe(const void* table, int num, long long item, long long col, long long* out) {
+  if (num <= 0 || !table || !out) return -3;
+  auto srcs = (const GroupSource*)table;
+  const int si = group_source_of_item(srcs, num, item);
+  out[0] = si;
+  out[1] = group_source_at<true>(srcs, num, col);
+  out[2] = srcs[si].n_tiles;
+  out[3] = srcs[si].splits;
+  out[4] = srcs[si].x_row;
+  out[5] = srcs[si].item_begin;
+  out[6] = srcs[si].partial_base;
+  return 0;
 }
 
 int exl3_abi_version(void) { return 3; }
