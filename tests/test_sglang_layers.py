@@ -279,19 +279,27 @@ def _load_rank_sliced(path):
     return model, cfg
 
 
-@pytest.mark.parametrize("layout", ["per_expert_v1", "shared_h_v1"])
-def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout):
+MIXED = {0: [3, 5, 3, 4], 1: [4, 4, 2, 3]}
+
+
+@pytest.mark.parametrize("layout, mixed", [("per_expert_v1", False), ("shared_h_v1", False), ("shared_h_v1", True)])
+def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout, mixed):
     """A rank-sliced Qwen3-MoE checkpoint (the reference layout, written by the project's writer) through SGLang's
     real model class and loader: every MoE layer's output equals the codec run on this rank's .rank0 slices
-    (with the layer's shared hidden-side rotations under shared_h_v1); the rest is per-module EXL3."""
+    (with the layer's shared hidden-side rotations under shared_h_v1, and per-expert bitrates from the
+    bits_per_expert map when mixed); the rest is per-module EXL3."""
     from test_sglang_moe import _dispatch
 
     from sglang_exl3.synth.exl3_writer import ModelDims
     from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
 
     path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
-                                        rotation_layout=layout, seed=3)
+                                        rotation_layout=layout, seed=3, expert_bits=MIXED if mixed else None)
     model, cfg = _load_rank_sliced(path)
+    if mixed:
+        assert cfg.rank_sliced.bits == "mixed"
+        recs = model.model.layers[1].mlp.experts.quant_method.records
+        assert [recs[(e, "w2")].bits for e in range(4)] == MIXED[1]
     ckpt = load_checkpoint(path)
     assert cfg.rank_sliced is not None and cfg.rank_sliced_rank == 0
 
@@ -321,6 +329,40 @@ def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout):
                 h = (torch.nn.functional.silu(expert(i, e, "gate_proj", xr)) * expert(i, e, "up_proj", xr)).half()
                 want[r] += w[r, k] * expert(i, e, "down_proj", h)[0]
         assert ((out.float() - want).norm() / want.norm()) < 1e-2, (layout, i)
+
+
+def test_rank_sliced_bitrate_disagreeing_with_the_map_is_refused_at_load(tmp_path):
+    import json
+
+    from sglang_exl3.format.rank_sliced import RankSlicedError
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=1), bits=3, tp=1,
+                                        expert_bits={0: [3, 4, 3, 4]})
+    (path / "expert_bits.json").write_text(json.dumps({"0": {"k": [3, 3, 3, 4]}}))  # expert 1 is really K=4
+    with pytest.raises(RankSlicedError, match=r"experts\.1\.gate_proj\.rank0\.trellis: 4 bits .* expert 1 of "
+                                              r"layer 0 has K=3"):
+        _load_rank_sliced(path)
+
+
+def test_rank_sliced_records_of_rank_1_are_its_own_slices(tmp_path):
+    """At tp=2, rank 1's records point at the .rank1 tensors, each half the intermediate size."""
+    from sglang_exl3.format.rank_sliced import expert_records, parse
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=1), bits=3, tp=2,
+                                        rotation_layout="shared_h_v1")
+    ckpt = load_checkpoint(path)
+    records = expert_records(ckpt.tensors, parse(ckpt.config, path), "model.layers.0.mlp.experts", 0, rank=1)
+    assert len(records) == 4 * 3
+    gate, down = records[(2, "w1")], records[(2, "w2")]
+    assert gate.out_features == 128 and gate.in_features == 256 and down.in_features == 128
+    assert gate.tensors["trellis"].name == "model.layers.0.mlp.experts.2.gate_proj.rank1.trellis"
+    assert gate.tensors["suh"].name == "model.layers.0.mlp.experts.shared_h.gate_proj.rank1.suh"
+    assert down.tensors["svh"].name == "model.layers.0.mlp.experts.shared_h.down_proj.rank1.svh"
+    assert down.tensors["suh"].name == "model.layers.0.mlp.experts.2.down_proj.rank1.suh"
 
 
 def test_rank_sliced_checkpoint_for_another_tp_is_refused_at_load(tmp_path):

@@ -40,9 +40,27 @@ def slice_expert(tensors: dict[str, torch.Tensor], proj: str, rank: int, tp: int
     return out
 
 
+def _expert_donors(dims: ModelDims, expert_bits: dict[int, list[int]], seed: int) -> dict[int, dict]:
+    """Per distinct K of a mixed map: the tensors of a whole per-expert checkpoint at that bitrate."""
+    import tempfile
+
+    donors = {}
+    for k in sorted({k for ks in expert_bits.values() for k in ks}):
+        with tempfile.TemporaryDirectory() as tmp:
+            write_exl3_checkpoint(tmp, "qwen3_moe", dims=dims, bits=k, codebook="mcg", seed=seed + k,
+                                  with_tokenizer=False)
+            donors[k] = {}
+            for f in sorted(Path(tmp).glob("*.safetensors")):
+                donors[k].update(load_file(str(f)))
+    return donors
+
+
 def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = None, bits: int = 3, tp: int = 2,
                                  rotation_layout: str = "per_expert_v1", seed: int = 0,
-                                 with_tokenizer: bool = False) -> Path:
+                                 with_tokenizer: bool = False,
+                                 expert_bits: dict[int, list[int]] | None = None) -> Path:
+    """`expert_bits` ({layer: [K per expert]}) writes a mixed-bitrate checkpoint (`bits: "mixed"`, `k_values` and a
+    `bits_per_expert` JSON beside config.json); `bits` is then the rest of the model's bitrate."""
     dims = dims or ModelDims()
     if dims.moe_intermediate_size % (tp * ALIGN):
         raise ValueError(f"moe_intermediate_size {dims.moe_intermediate_size} does not split into {tp} slices of "
@@ -57,6 +75,7 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
         f.unlink()
     packer = ShardPacker()
     shared = rotation_layout == "shared_h_v1"
+    donors = _expert_donors(dims, expert_bits, seed) if expert_bits else {}
     for key in list(sidecar["tensor_storage"]):
         parts = key.split(".")
         if len(parts) < 7 or parts[3:5] != ["mlp", "experts"] or parts[6] not in PROJECTIONS:
@@ -64,7 +83,8 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
             continue
         del sidecar["tensor_storage"][key]  # rank-sliced experts live outside tensor_storage
         layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
-        full = {fld: tensors[f"{key}.{fld}"] for fld in ("trellis", "suh", "svh", "mcg")}
+        source = donors[expert_bits[layer][expert]] if expert_bits else tensors
+        full = {fld: source[f"{key}.{fld}"] for fld in ("trellis", "suh", "svh", "mcg")}
         for rank in range(tp):
             part = slice_expert(full, proj, rank, tp)
             group = {f"{key}.rank{rank}.{fld}": t for fld, t in part.items()
@@ -80,5 +100,8 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
         "format": "exl3-trellis", "bits": bits, "codebook": "mcg", "experts_per_layer": dims.num_experts,
         "moe_layers": [0, dims.num_hidden_layers - 1], "tensor_schema": TENSOR_SCHEMA, "tp": tp,
         "rotation_layout": rotation_layout, **({"shared_h_tensor_schema": SHARED_H_SCHEMA} if shared else {})}
+    if expert_bits:
+        config["hybrid_tr3_tail"].update(bits="mixed", k_values=sorted(donors), bits_per_expert="expert_bits.json:k")
+        (out / "expert_bits.json").write_text(json.dumps({str(layer): {"k": ks} for layer, ks in expert_bits.items()}))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
