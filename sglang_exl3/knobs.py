@@ -64,9 +64,11 @@ class Knob:
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("BACKEND", "auto", "choice", ("auto", "cuda", "triton", "exllamav3", "torch"),
-         "dense GEMM backend: auto = our CUDA kernels if built, else a prebuilt exllamav3 extension, else the "
-         "torch reference"),
+         "dense GEMM backend: auto = our CUDA kernels (built on first use where nvcc exists), else a prebuilt "
+         "exllamav3 extension, else the torch reference"),
     Knob("KERNEL_LIB", None, "path", help="prebuilt libexl3_trellis .so (else the per-user build cache)"),
+    Knob("AUTO_BUILD", True, "flag", help="auto backend: compile our CUDA kernels at first load when nvcc is "
+         "found and none are built (~1-2 min, once per GPU arch and source version; 0: never compile in a server)"),
     Knob("EXT_PATH", None, "path", help="folder or .so of a prebuilt exllamav3_ext to import",
          vllm_name="VLLM_EXL3_EXT_PATH"),
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",

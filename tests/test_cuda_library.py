@@ -100,3 +100,42 @@ def test_group_tables_read_back_as_the_kernels_read_them(compiled):
         got = _probe(compiled, table, s * per_item + per_item // 2, s * per_col + 5)
         assert got == [s, s, 48, 8, int(x_rows[p]), s * per_item, s * 8 * 768], (s, got)
         assert table[s, 0] == 10 + int(ids[p])  # the routed expert's weights
+
+
+def test_first_use_build_happens_once_across_concurrent_ranks(monkeypatch, tmp_path):
+    """Tensor-parallel ranks start together: one builds into the cache under the lock, the others wait and find
+    the finished library (the compiler itself is exercised by the nvcc tests above)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SGLANG_EXL3_KERNEL_LIB", raising=False)
+    calls = []
+
+    def fake_build(out, arch=None, verbose=False):
+        calls.append(out)
+        time.sleep(0.3)
+        out.write_bytes(b"lib")
+        return out
+
+    monkeypatch.setattr(ck, "build_library", fake_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ck.build_cached_library("90"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1 and results[0].read_bytes() == b"lib"
+    assert results[0] == ck.cache_path("90")
+
+
+def test_auto_build_knob(monkeypatch):
+    from sglang_exl3.kernels import backends
+
+    monkeypatch.setattr(ck, "find_nvcc", lambda: "/usr/bin/nvcc")
+    monkeypatch.setenv("SGLANG_EXL3_AUTO_BUILD", "0")
+    assert backends._may_build() is False
+    monkeypatch.setenv("SGLANG_EXL3_AUTO_BUILD", "")  # blank = unset = default on
+    assert backends._may_build() is True
+    monkeypatch.setattr(ck, "find_nvcc", lambda: None)
+    assert backends._may_build() is False

@@ -57,6 +57,19 @@ def _load_our_kernels(build: bool):
         raise BackendUnavailable(str(e)) from e
 
 
+def _may_build() -> bool:
+    from sglang_exl3.kernels.cuda_trellis import find_nvcc
+
+    return bool(knobs.get("AUTO_BUILD")) and find_nvcc() is not None
+
+
+@cache
+def _warn_once(message: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(message)
+
+
 def resolve_backend(device: torch.device) -> Backend:
     """The backend the knob asks for, checked against what this device and install can run."""
     choice = knobs.get("BACKEND")
@@ -77,16 +90,16 @@ def resolve_backend(device: torch.device) -> Backend:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=exllamav3 needs a CUDA device")
         load_exllamav3_ext()
         return Backend.EXLLAMAV3
-    # auto: our kernels when already built (building is explicit: `python -m sglang_exl3 build-kernels`);
-    # exllamav3 only when its extension is already built (SGLANG_EXL3_EXT_PATH or a prebuilt
-    # exllamav3_ext module); importing exllamav3 otherwise starts a JIT build of several minutes,
-    # which a serving process must never do implicitly.
+    # auto: our kernels, compiled on first use where nvcc exists (about a minute, once per GPU arch and source
+    # version; SGLANG_EXL3_AUTO_BUILD=0 turns that off); exllamav3 only when its extension is already built
+    # (SGLANG_EXL3_EXT_PATH or a prebuilt exllamav3_ext module): importing exllamav3 otherwise starts its own
+    # JIT build of several minutes.
     if cuda and torch.cuda.get_device_capability(device)[0] >= 8:
         try:
-            _load_our_kernels(build=False)
+            _load_our_kernels(build=_may_build())
             return Backend.CUDA
-        except BackendUnavailable:
-            pass
+        except BackendUnavailable as e:
+            _warn_once(f"sglang-exl3: our CUDA kernels are unavailable ({e}); falling back")
     if cuda and (knobs.get("EXT_PATH") or importlib.util.find_spec("exllamav3_ext") is not None):
         try:
             load_exllamav3_ext()

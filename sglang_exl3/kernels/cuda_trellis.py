@@ -2,9 +2,9 @@
 
 The library has a plain C ABI and no torch headers, so it builds in seconds per variant with nvcc alone
 and does not depend on the torch build. Found, in order: `SGLANG_EXL3_KERNEL_LIB` (a prebuilt .so), then
-the per-user cache (`~/.cache/sglang_exl3`, keyed by source hash and GPU arch). Building is explicit
-(`python -m sglang_exl3 build-kernels`, or `SGLANG_EXL3_BACKEND=cuda`): a serving process that merely
-probes (`auto`) never starts a compiler.
+the per-user cache (`~/.cache/sglang_exl3`, keyed by source hash and GPU arch). Built by
+`python -m sglang_exl3 build-kernels`, or on first use where nvcc exists (`SGLANG_EXL3_BACKEND=cuda`, or `auto`
+unless `SGLANG_EXL3_AUTO_BUILD=0`), once, under a file lock shared by the tensor-parallel ranks.
 
 Forward for small m: `had_in` (x * suh, Hadamard-128, fp16) -> fused decode GEMM writing fp32 split-K
 partials -> `had_out` (sum of partials, Hadamard-128, fp16, * svh). Larger m: reconstruct W_hat in
@@ -106,8 +106,26 @@ def load_library(build: bool = False) -> ctypes.CDLL:
             raise KernelLibraryUnavailable(
                 "the EXL3 CUDA kernels are not built: run `python -m sglang_exl3 build-kernels` (needs nvcc) "
                 "or set SGLANG_EXL3_KERNEL_LIB to a prebuilt libexl3_trellis .so")
-        path = build_library()
+        path = build_cached_library()
     return _open_library(str(path))
+
+
+def build_cached_library(arch: str | None = None) -> Path:
+    """Build into the per-user cache unless there already; one process builds while the others (tensor-parallel
+    ranks starting together) wait on a file lock and then find the finished library."""
+    import fcntl
+    import logging
+
+    path = cache_path(arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            logging.getLogger(__name__).warning(
+                "sglang-exl3: compiling the EXL3 CUDA kernels for sm_%s into %s (once; 1-2 minutes)",
+                _arch_tag(arch), path)
+            build_library(path, arch)
+    return path
 
 
 @cache
