@@ -138,3 +138,33 @@ def test_expert_banks_only_for_uniform_experts_on_our_kernels():
     assert expert_banks([expert(), trimmed], Backend.CUDA) is None
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_expert_bank is reached
         expert_banks([expert(), expert()], Backend.CUDA)
+
+
+def test_stack_experts_moves_each_expert_into_one_tensor_per_role():
+    """The dense-slab path's per-role stacks: every shard's trellis becomes a view of its role's stack (no second
+    copy), suh stacked [E, K], svh concatenated [E*N]; not built for other backends or non-uniform experts."""
+    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.layers.linear import Exl3Shard
+    from sglang_exl3.layers.moe import stack_experts
+
+    def shard(k, n, seed, bits=3):
+        t, s, v = _layer(seed, k=k, n=n, bits=bits)
+        return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=n,
+                         kernel_layout=True)
+
+    experts = [{"w1": shard(256, 128, 10 + e), "w3": shard(256, 128, 20 + e), "w2": shard(128, 256, 30 + e)}
+               for e in range(3)]
+    before = [{r: s.trellis.clone() for r, s in e.items()} for e in experts]
+    assert stack_experts(experts, Backend.TORCH) is None
+    gate, up, down = stack_experts(experts, Backend.CUDA)
+    tiles, suh, svh, cb, ones = down
+    assert tiles.shape == (3 * 16, 8, 48) and suh.shape == (3, 128) and svh.shape == (3 * 256,)
+    assert cb == Codebook.MCG and torch.equal(ones, torch.ones(128, dtype=torch.float16))
+    for e in range(3):
+        for r, (stack, *_rest) in zip(("w1", "w3", "w2"), (gate, up, down), strict=True):
+            s = experts[e][r]
+            assert s.trellis.data_ptr() == stack[e * s.trellis.shape[0]:].data_ptr()
+            assert torch.equal(s.trellis, before[e][r])
+    mixed = [{"w1": shard(256, 128, 1), "w3": shard(256, 128, 2), "w2": shard(128, 256, 3)},
+             {"w1": shard(256, 128, 4, bits=4), "w3": shard(256, 128, 5, bits=4), "w2": shard(128, 256, 6)}]
+    assert stack_experts(mixed, Backend.CUDA) is None

@@ -209,13 +209,17 @@ def had_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def had_out(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
-    """had_r_128(sum over splits of acc [S, m, N] (fp32 or fp16), post_scale=svh) -> fp16 [m, N]."""
+def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """had_r_128(sum over splits of acc [S, m, N] (fp32 or fp16), post_scale=svh) -> fp16 [m, N]. `out` may be
+    acc itself when there is one fp16 split (each 128-block is read whole before it is written)."""
     splits, m, n = acc.shape
     if acc.dtype not in (torch.float16, torch.float32) or not acc.is_contiguous():
         raise ValueError(f"acc must be contiguous fp32 or fp16 [splits, m, N], got {acc.dtype}")
     _check_fp16("svh", svh, (n,))
-    out = torch.empty(m, n, dtype=torch.float16, device=acc.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float16, device=acc.device)
+    else:
+        _check_fp16("out", out, (m, n))
     _check(load_library().exl3_had_out(acc.data_ptr(), int(acc.dtype == torch.float32), svh.data_ptr(),
                                        out.data_ptr(), splits, m, n, _stream(acc)), "had_out")
     return out
@@ -276,6 +280,21 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
         reconstruct(tiles, codebook, (t0, count), out=w)
         torch.matmul(xh, w, out=y[0, :, t0 * 16:(t0 + count) * 16])
     return had_out(y, svh)
+
+
+def dense_experts(tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: Codebook, ones: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Original-basis weights of E experts in the [E, N, K] layout of SGLang's fused_experts: out[e] =
+    (diag(suh_e) H W_hat_e H diag(svh_e))^T, for the experts' prepare()d weights stacked along N (tiles
+    [E*N/16, K/16, words]), suh [E, K], svh [E*N] and `ones` fp16 [K]. Five launches for all E experts: reconstruct,
+    output rotation (x svh), transpose, input rotation, x suh. `out` may be a strided view (a slab's gate half)."""
+    e_count, k = suh.shape
+    nt = tiles.shape[0]
+    w = reconstruct(tiles, codebook)  # [K, E*N]
+    had_out(w.view(1, k, nt * 16), svh, out=w)
+    wt = w.t().contiguous()  # [E*N, K]
+    had_out(wt.view(1, nt * 16, k), ones, out=wt)  # the rotation; x 1 is exact, so suh can follow per expert
+    torch.mul(wt.view(e_count, nt * 16 // e_count, k), suh.view(e_count, 1, k), out=out)
 
 
 @dataclass(frozen=True)

@@ -305,3 +305,23 @@ def test_moe_routed_op_matches_reference_and_captures(m, topk):
     sx.copy_(x.cuda()), sids.copy_(ids.cuda()), sw.copy_(w.cuda())
     graph.replay()
     assert _rel(sy.cpu(), reference(x, ids, w)) < 3e-3
+
+
+def test_dense_experts_bit_identical_to_the_codec_rotations():
+    """Five launches decode E experts stacked along N into fused_experts' [E, N, K] original-basis layout; each
+    expert equals (diag(suh) H W_hat H diag(svh))^T from the codec's own rotations, bit for bit, and is within
+    fp16 rounding of the exllamav3-faithful dequantized weight."""
+    from sglang_exl3.codec.weight import dequantize_weight
+
+    experts = [_case(256, 384, 4, 1, seed=200 + e)[:3] for e in range(3)]
+    stacked = torch.cat([ck.prepare(t.cuda()) for t, _, _ in experts])
+    suh = torch.stack([s for _, s, _ in experts]).cuda()
+    svh = torch.cat([v for _, _, v in experts]).cuda()
+    out = torch.full((3, 384, 256), float("nan"), dtype=torch.float16, device="cuda")
+    ck.dense_experts(stacked, suh, svh, Codebook.MUL1, torch.ones(256, dtype=torch.float16, device="cuda"), out)
+    for e, (t, s, v) in enumerate(experts):
+        a = had_r_128(reconstruct(t, Codebook.MUL1), post_scale=v)
+        want = (had_r_128(a.t().contiguous()).float() * s.float()).half()
+        assert torch.equal(out[e].cpu().view(torch.int16), want.view(torch.int16)), e
+        ref = dequantize_weight(t, s, v, Codebook.MUL1).t()
+        assert _rel(out[e].cpu(), ref) < 2e-3
