@@ -1,6 +1,7 @@
-"""EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours
-(`torch.ops.exl3.moe_routed`, routed experts only) vs SGLang's bf16 `fused_experts` (Triton) on the same
-weights dequantized, side by side in one run (CUDA-graph replay medians, routing rotated across calls).
+"""EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours (the MoE method's
+capturable forward: routed groups below DENSE_MIN_ROWS rows, dense slab + fused_experts above) vs SGLang's bf16
+`fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
+routing rotated across calls).
 
   python benchmarks/moe.py [--bits 2,3,4,5] [--ms 1,4,16,64,512,4096]
 
@@ -24,24 +25,41 @@ ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16"]
 
 
-def expert_weights(bits: int):
-    """Random EXL3 experts (kernel layout) + banks, and their bf16 dequantized twins in fused_moe's layout."""
-    from sglang_exl3.kernels import cuda_trellis as ck
+def expert_layer(bits: int):
+    """Random EXL3 experts as the MoE layer holds them on our kernels (stacks, banks, slab), the layer's method,
+    and the bf16 dequantized twins in fused_experts' layout (decoded by the product's own dense path)."""
+    from types import SimpleNamespace
 
-    roles = {"gate": (HIDDEN, INTER), "up": (HIDDEN, INTER), "down": (INTER, HIDDEN)}
-    tiles, suh, svh, dense = {}, {}, {}, {}
-    for role, (k, n) in roles.items():
-        tiles[role] = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), dtype=torch.int16,
-                                                device="cuda")) for _ in range(EXPERTS)]
-        suh[role] = [(torch.randn(k, device="cuda") * 0.05).half() for _ in range(EXPERTS)]
-        svh[role] = [(torch.randn(n, device="cuda") * 0.05).half() for _ in range(EXPERTS)]
-        # the dequantized weight W [k, n] = had(had(diag(suh)) W_hat) diag(svh): the layer's linear map on x
-        eye = torch.eye(k, device="cuda", dtype=torch.float16)
-        dense[role] = torch.stack([ck.exl3_linear(eye, t, s, v, Codebook.MCG, path="reconstruct").t().bfloat16()
-                                   for t, s, v in zip(tiles[role], suh[role], svh[role], strict=True)])
-    banks = [ck.make_expert_bank(tiles[r], suh[r], svh[r], Codebook.MCG) for r in roles]
-    w13 = torch.cat([dense["gate"], dense["up"]], dim=1)  # [E, 2I, H]
-    return banks, w13, dense["down"]  # w2 [E, H, I]
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    from sglang_exl3.kernels import cuda_trellis as ck
+    from sglang_exl3.kernels.backends import Backend
+    from sglang_exl3.layers.linear import Exl3Shard
+    from sglang_exl3.layers.moe import Exl3MoEMethod, expert_banks, stack_experts
+
+    roles = {"w1": (HIDDEN, INTER), "w3": (HIDDEN, INTER), "w2": (INTER, HIDDEN)}
+    experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16),
+                                                                            dtype=torch.int16, device="cuda")),
+                                suh=(torch.randn(k, device="cuda") * 0.05).half(),
+                                svh=(torch.randn(n, device="cuda") * 0.05).half(), codebook=Codebook.MCG,
+                                out_features=n, kernel_layout=True)
+                for role, (k, n) in roles.items()} for _ in range(EXPERTS)]
+    layer = SimpleNamespace(exl3_experts=experts, intermediate_size_per_partition=INTER, hidden_size=HIDDEN,
+                            exl3_backend=int(Backend.CUDA))
+    layer.exl3_dense = stack_experts(experts, Backend.CUDA)
+    layer.exl3_banks = expert_banks(experts, Backend.CUDA)
+    method = Exl3MoEMethod({}, "bench.experts")
+    method.moe_runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
+                                               intermediate_size_per_partition=INTER, top_k=TOPK,
+                                               params_dtype=torch.float16)
+    method._reserve_slab(layer, torch.device("cuda"))
+    w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float16, device="cuda")
+    w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=torch.float16, device="cuda")
+    gate, up, down = layer.exl3_dense
+    ck.dense_experts(*gate, out=w13[:, :INTER])
+    ck.dense_experts(*up, out=w13[:, INTER:])
+    ck.dense_experts(*down, out=w2)
+    return layer, method, w13.bfloat16(), w2.bfloat16()
 
 
 def routing(m: int, gen: torch.Generator):
@@ -57,8 +75,7 @@ def bench_bits(bits: int, ms: list[int]) -> list[dict]:
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
-    banks, w13, w2 = expert_weights(bits)
-    gate, up, down = banks
+    layer, method, w13, w2 = expert_layer(bits)
     cfg = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                           intermediate_size_per_partition=INTER, top_k=TOPK, params_dtype=torch.bfloat16,
                           inplace=False)
@@ -68,10 +85,9 @@ def bench_bits(bits: int, ms: list[int]) -> list[dict]:
         xs = [torch.randn(m, HIDDEN, generator=gen).half().cuda() for _ in range(ROUTINGS)]
         routes = [routing(m, gen) for _ in range(ROUTINGS)]
 
-        def ours(i, xs=xs, routes=routes):
+        def ours(i, xs=xs, routes=routes):  # the product's forward for m rows (routed groups or the dense slab)
             w, ids, _ = routes[i]
-            return torch.ops.exl3.moe_routed(xs[i], ids.long(), w, gate.rows, up.rows, down.rows, gate.meta,
-                                             down.meta, False)
+            return method._capturable(layer, xs[i], w, ids)
 
         def bf16(i, xs=xs, routes=routes):
             w, ids, logits = routes[i]
