@@ -288,8 +288,6 @@ def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout, m
     real model class and loader: every MoE layer's output equals the codec run on this rank's .rank0 slices
     (with the layer's shared hidden-side rotations under shared_h_v1, and per-expert bitrates from the
     bits_per_expert map when mixed); the rest is per-module EXL3."""
-    from test_sglang_moe import _dispatch
-
     from sglang_exl3.synth.exl3_writer import ModelDims
     from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
 
@@ -300,8 +298,14 @@ def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout, m
         assert cfg.rank_sliced.bits == "mixed"
         recs = model.model.layers[1].mlp.experts.quant_method.records
         assert [recs[(e, "w2")].bits for e in range(4)] == MIXED[1]
-    ckpt = load_checkpoint(path)
     assert cfg.rank_sliced is not None and cfg.rank_sliced_rank == 0
+    _check_moe_against_slices(model, path, layout)
+
+
+def _check_moe_against_slices(model, path, layout):
+    from test_sglang_moe import _dispatch
+
+    ckpt = load_checkpoint(path)
 
     def t(name):
         return ckpt.load_tensor(name)
@@ -329,6 +333,58 @@ def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout, m
                 h = (torch.nn.functional.silu(expert(i, e, "gate_proj", xr)) * expert(i, e, "up_proj", xr)).half()
                 want[r] += w[r, k] * expert(i, e, "down_proj", h)[0]
         assert ((out.float() - want).norm() / want.norm()) < 1e-2, (layout, i)
+
+
+def _hybrid_checkpoint(tmp_path, extra: dict | None = None):
+    """What the reference's hybrid checkpoints look like: rank-sliced EXL3 routed experts, every other layer in
+    plain BF16, quantization_config naming another method (modelopt), no per-module sidecar."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, SHARED_H_WEIGHT_RE
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    rs = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
+                                      rotation_layout="shared_h_v1", seed=8, with_tokenizer=True)
+    dequantize_checkpoint(rs, tmp_path / "dq", dtype="bfloat16", progress=False)
+    dense = load_file(str(tmp_path / "dq" / "model.safetensors"))
+    sliced = load_file(str(rs / "model.safetensors"))
+    tensors = {n: t for n, t in dense.items() if ".mlp.experts." not in n}
+    tensors.update({n: t for n, t in sliced.items() if RANK_SLICED_WEIGHT_RE.match(n) or SHARED_H_WEIGHT_RE.match(n)})
+    tensors.update(extra or {})
+    out = tmp_path / "hybrid"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((rs / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_hybrid_checkpoint_serves_its_plain_layers_unquantized(tmp_path):
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    path = _hybrid_checkpoint(tmp_path)
+    model, cfg = _load_rank_sliced(path)
+    assert not cfg.checkpoint.modules  # no per-module EXL3 at all
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj.quant_method, UnquantizedLinearMethod)
+    from safetensors.torch import load_file
+
+    q = load_file(str(tmp_path / "dq" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(attn.qkv_proj.weight[: q.shape[0]].to(q.dtype), q)  # the plain BF16 weight, loaded as is
+    _check_moe_against_slices(model, path, "shared_h_v1")
+
+
+def test_hybrid_checkpoint_with_foreign_quantized_layers_is_refused(tmp_path):
+    from sglang_exl3.format import Exl3FormatError
+
+    path = _hybrid_checkpoint(tmp_path, {"model.layers.0.self_attn.q_proj.weight_scale": torch.ones(1)})
+    with pytest.raises(Exl3FormatError, match=r"quantized in another format.*weight_scale"):
+        _load_rank_sliced(path)
 
 
 def test_rank_sliced_bitrate_disagreeing_with_the_map_is_refused_at_load(tmp_path):

@@ -22,7 +22,35 @@ from sglang_exl3.format.safetensors_index import FLOAT_CODES, TensorInfo
 REEXPORT = "re-export this module with exllamav3's converter"
 
 
+# Names of another method's quantization scales (modelopt / compressed-tensors FP8, NVFP4): a rank-sliced hybrid
+# checkpoint's non-expert layers must be plain weights, which sglang-exl3 serves unquantized.
+_FOREIGN_SCALES = (".weight_scale", ".input_scale", ".weight_scale_2", ".weight_global_scale")
+
+
+def _hybrid_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
+    """A rank-sliced (`hybrid_tr3_tail`) checkpoint: its quantization_config may name another method and the
+    per-module sidecar may be absent (then everything but the routed experts is unquantized); but non-expert
+    weights quantized in another format cannot be served as plain weights."""
+    from sglang_exl3.format import rank_sliced
+
+    foreign = sorted(n for n, t in ckpt.tensors.items()
+                     if (t.dtype.startswith("F8") or n.endswith(_FOREIGN_SCALES))
+                     and not rank_sliced.RANK_SLICED_WEIGHT_RE.match(n))
+    if not foreign:
+        return []
+    return [Problem(f"{len(foreign)} non-expert tensor(s) are quantized in another format (e.g. {foreign[:3]}); "
+                    "sglang-exl3 serves a rank-sliced checkpoint's non-expert layers unquantized only",
+                    fix="use the checkpoint's BF16 variant of the non-expert layers")]
+
+
 def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
+    from sglang_exl3.format import rank_sliced
+
+    if ckpt.config and rank_sliced.claims(ckpt.config):
+        out = _hybrid_problems(ckpt)
+        if not ckpt.tensors:
+            out.append(Problem("no safetensors files found", fix="copy the model's *.safetensors files"))
+        return out
     out = []
     qc = ckpt.config.get("quantization_config") if ckpt.config else None
     if ckpt.config and not isinstance(qc, dict):
