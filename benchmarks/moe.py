@@ -35,7 +35,8 @@ def expert_layer(bits: int):
     from sglang_exl3.kernels import cuda_trellis as ck
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.layers.linear import Exl3Shard
-    from sglang_exl3.layers.moe import Exl3MoEMethod, expert_banks, stack_experts
+    from sglang_exl3.layers.moe import Exl3MoEMethod
+    from sglang_exl3.layers.moe_kernels import build_tiers
 
     roles = {"w1": (HIDDEN, INTER), "w3": (HIDDEN, INTER), "w2": (INTER, HIDDEN)}
     experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16),
@@ -46,8 +47,7 @@ def expert_layer(bits: int):
                 for role, (k, n) in roles.items()} for _ in range(EXPERTS)]
     layer = SimpleNamespace(exl3_experts=experts, intermediate_size_per_partition=INTER, hidden_size=HIDDEN,
                             exl3_backend=int(Backend.CUDA))
-    layer.exl3_dense = stack_experts(experts, Backend.CUDA)
-    layer.exl3_banks = expert_banks(experts, Backend.CUDA)
+    layer.exl3_tiers = build_tiers(experts, Backend.CUDA)
     method = Exl3MoEMethod({}, "bench.experts")
     method.moe_runner_config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                                                intermediate_size_per_partition=INTER, top_k=TOPK,
@@ -55,7 +55,8 @@ def expert_layer(bits: int):
     method._reserve_slab(layer, torch.device("cuda"))
     w13 = torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float16, device="cuda")
     w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=torch.float16, device="cuda")
-    gate, up, down = layer.exl3_dense
+    (tier,) = layer.exl3_tiers.tiers
+    gate, up, down = tier.dense
     ck.dense_experts(*gate, out=w13[:, :INTER])
     ck.dense_experts(*up, out=w13[:, INTER:])
     ck.dense_experts(*down, out=w2)

@@ -117,46 +117,64 @@ def test_moe_routed_op_fake_shape():
     assert tuple(y.shape) == (3, 256) and y.dtype == torch.float32
 
 
-def test_expert_banks_only_for_uniform_experts_on_our_kernels():
+def _expert_shard(k, n, seed, bits=3, cb=Codebook.MCG, out=None):
     from sglang_exl3.kernels.cuda_trellis import prepare
     from sglang_exl3.layers.linear import Exl3Shard
-    from sglang_exl3.layers.moe import expert_banks
 
-    def shard(k, n, bits=3, cb=Codebook.MCG, out=None):
-        t, s, v = _layer(k + n, k=k, n=n, bits=bits)
-        return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=cb, out_features=out or n,
-                         kernel_layout=True)
-
-    def expert(**kw):
-        return {"w1": shard(256, 128, **kw), "w3": shard(256, 128, **kw), "w2": shard(128, 256)}
-
-    assert expert_banks([expert(), expert()], Backend.TORCH) is None
-    assert expert_banks([expert(), expert(bits=4)], Backend.CUDA) is None  # mixed bitrates
-    assert expert_banks([expert(), expert(cb=Codebook.MUL1)], Backend.CUDA) is None
-    trimmed = expert()
-    trimmed["w2"] = shard(128, 256, out=240)
-    assert expert_banks([expert(), trimmed], Backend.CUDA) is None
-    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_expert_bank is reached
-        expert_banks([expert(), expert()], Backend.CUDA)
+    t, s, v = _layer(seed, k=k, n=n, bits=bits)
+    return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=cb, out_features=out or n,
+                     kernel_layout=True)
 
 
-def test_stack_experts_moves_each_expert_into_one_tensor_per_role():
-    """The dense-slab path's per-role stacks: every shard's trellis becomes a view of its role's stack (no second
-    copy), suh stacked [E, K], svh concatenated [E*N]; not built for other backends or non-uniform experts."""
-    from sglang_exl3.kernels.cuda_trellis import prepare
-    from sglang_exl3.layers.linear import Exl3Shard
-    from sglang_exl3.layers.moe import stack_experts
+def _expert(seed, bits=3, cb=Codebook.MCG, down_out=None):
+    return {"w1": _expert_shard(256, 128, seed, bits, cb), "w3": _expert_shard(256, 128, seed + 1, bits, cb),
+            "w2": _expert_shard(128, 256, seed + 2, bits, out=down_out)}
 
-    def shard(k, n, seed, bits=3):
-        t, s, v = _layer(seed, k=k, n=n, bits=bits)
-        return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=n,
-                         kernel_layout=True)
 
-    experts = [{"w1": shard(256, 128, 10 + e), "w3": shard(256, 128, 20 + e), "w2": shard(128, 256, 30 + e)}
-               for e in range(3)]
+def test_tiers_group_experts_by_bitrate_and_refuse_what_our_kernels_cannot_run():
+    """Experts of one shape/bitrate/codebook form a tier (mixed-bitrate checkpoints: one tier per K, in order of
+    first appearance); an expert with trimmed widths or gate/up that differ has no tier at all."""
+    from sglang_exl3.layers.moe_kernels import tier_groups
+
+    assert tier_groups([_expert(1), _expert(2, bits=4), _expert(3), _expert(4, bits=4), _expert(5, bits=5)]) == \
+        [[0, 2], [1, 3], [4]]
+    assert tier_groups([_expert(1), _expert(2, cb=Codebook.MUL1)]) == [[0], [1]]
+    assert tier_groups([_expert(1), _expert(2, down_out=240)]) is None  # trimmed width
+    odd = _expert(3)
+    odd["w3"] = _expert_shard(256, 128, 9, bits=4)  # gate 3 bits, up 4 bits: cannot share launches
+    assert tier_groups([_expert(1), odd]) is None
+
+
+def test_tier_ids_and_slab_positions():
+    """Routing ids as each tier sees them (its local index, else -1; EP's -1 stays -1) and the tier-ordered slab
+    rows the dense path hands to fused_experts."""
+    from sglang_exl3.layers.moe_kernels import ExpertTiers
+
+    groups = [[0, 2, 3], [1, 4]]
+    tier_of, local_of, position = torch.tensor([0, 1, 0, 0, 1]), torch.tensor([0, 0, 1, 2, 1]), \
+        torch.tensor([0, 3, 1, 2, 4])
+    tiers = ExpertTiers([None, None], tier_of, local_of, position)
+    ids = torch.tensor([[4, 0], [2, -1], [1, 3]], dtype=torch.int32)
+    assert tiers.ids_in_tier(ids, 0).tolist() == [[-1, 0], [1, -1], [-1, 2]]
+    assert tiers.ids_in_tier(ids, 1).tolist() == [[1, -1], [-1, -1], [0, -1]]
+    slab = tiers.slab_ids(ids)
+    assert slab.tolist() == [[4, 0], [1, -1], [3, 2]] and slab.dtype == torch.int32
+    for e in range(5):  # the slab row of expert e is where its tier's block puts it
+        t = int(tier_of[e])
+        assert int(position[e]) == sum(len(g) for g in groups[:t]) + groups[t].index(e)
+    single = ExpertTiers([None])
+    assert single.ids_in_tier(ids, 0) is ids and single.slab_ids(ids) is ids
+
+
+def test_build_tiers_stacks_each_tier_and_needs_our_kernels():
+    """Stacking moves every shard's trellis into its tier's per-role tensor (views: no second copy); banks need
+    CUDA tensors; other backends get no tiers."""
+    from sglang_exl3.layers.moe_kernels import build_tiers, stack_experts
+
+    experts = [_expert(10 * e) for e in range(3)]
     before = [{r: s.trellis.clone() for r, s in e.items()} for e in experts]
-    assert stack_experts(experts, Backend.TORCH) is None
-    gate, up, down = stack_experts(experts, Backend.CUDA)
+    assert build_tiers(experts, Backend.TORCH) is None
+    gate, up, down = stack_experts(experts)
     tiles, suh, svh, cb, ones = down
     assert tiles.shape == (3 * 16, 8, 48) and suh.shape == (3, 128) and svh.shape == (3 * 256,)
     assert cb == Codebook.MCG and torch.equal(ones, torch.ones(128, dtype=torch.float16))
@@ -165,6 +183,5 @@ def test_stack_experts_moves_each_expert_into_one_tensor_per_role():
             s = experts[e][r]
             assert s.trellis.data_ptr() == stack[e * s.trellis.shape[0]:].data_ptr()
             assert torch.equal(s.trellis, before[e][r])
-    mixed = [{"w1": shard(256, 128, 1), "w3": shard(256, 128, 2), "w2": shard(128, 256, 3)},
-             {"w1": shard(256, 128, 4, bits=4), "w3": shard(256, 128, 5, bits=4), "w2": shard(128, 256, 6)}]
-    assert stack_experts(mixed, Backend.CUDA) is None
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # the banks are reached, and need CUDA
+        build_tiers([_expert(1), _expert(2, bits=4)], Backend.CUDA)

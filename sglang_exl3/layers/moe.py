@@ -9,13 +9,12 @@ intermediate dimension for MoE tensor parallelism in 128-element units.
 
 Forward: the model's MoE dispatch plan (`sglang_exl3.runtime.moe_plan`, built once per model scope and
 role after loading, knobs validated then) sends a batch of m rows to the decode plan, the prefill plan (in
-slices of its capacity) or the eager parity path. On our CUDA kernels the decode and prefill plans run
-`torch.ops.exl3.moe_routed`: only the routed experts, one (token, expert) pair per source of a routed group
-whose table is gathered on the device from the routing (no host sync: CUDA-graph capturable), gate and up in
-one launch set, down in another. Elsewhere (torch/exllamav3 backends, experts of mixed bitrates) they run every
-local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing weight (capturable, E x the
-dense FLOPs). The parity path runs only the routed experts on their rows (data-dependent shapes: eager only,
-and refused during graph capture).
+slices of its capacity) or the eager parity path. On our CUDA kernels the decode and prefill plans read only
+the routed experts, and from DENSE_MIN_ROWS rows decode every expert into one fp16 slab for SGLang's Triton
+fused_experts (`layers/moe_kernels.py`; experts of mixed bitrates run tier by tier). Elsewhere (torch/exllamav3
+backends) they run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing weight
+(capturable, E x the dense FLOPs). The parity path runs only the routed experts on their rows (data-dependent
+shapes: eager only, and refused during graph capture).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from sglang_exl3.format import Exl3ModuleRecord
-from sglang_exl3.kernels.backends import Backend, resolve_backend
+from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers.linear import (
     Exl3Shard,
     build_shard,
@@ -34,14 +33,16 @@ from sglang_exl3.layers.linear import (
     release_placeholders,
     run_shard,
 )
+from sglang_exl3.layers.moe_kernels import (
+    DENSE_MIN_ROWS,
+    ROLES,
+    build_tiers,
+    dense_forward,
+    reserve_slab,
+    routed_forward,
+)
 from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
 
-ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
-# From this many rows the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
-# pairs. Predicted crossover (Qwen3-30B-A3B layer, 4 bits): pairs re-read an expert per (token, expert) pair,
-# m * top-k * 0.8 MB, against ~4 passes over the fp16 slab, E * 3 MB: m * 8 ~ 128 * 16 -> m ~ 256. To be
-# measured with benchmarks/moe.py.
-DENSE_MIN_ROWS = 256
 GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
 
 
@@ -111,9 +112,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             experts.append(shards)
         layer.exl3_experts = experts
         layer.exl3_backend = int(backend)
-        layer.exl3_dense = stack_experts(experts, backend)
-        layer.exl3_banks = expert_banks(experts, backend)
-        if layer.exl3_dense is not None:
+        layer.exl3_tiers = build_tiers(experts, backend)
+        if layer.exl3_tiers is not None:
             self._reserve_slab(layer, device)
         del layer.exl3_moe_loaded
         for group in GROUPS:
@@ -174,51 +174,23 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             hidden = torch.nn.functional.gelu(gate, approximate="tanh") * up
         return run_shard(hidden.to(torch.float16), shards["w2"], layer.exl3_backend, where).float()
 
+    def _slab_owner(self, layer):
+        return self.config if self.config is not None else layer  # one slab per model (its config)
+
     def _reserve_slab(self, layer, device) -> None:
-        """The model's one fp16 slab for dense expert weights (the largest layer's), allocated at load so that it is
-        counted before the KV cache is sized and captured graphs point at one fixed buffer."""
-        owner = self.config if self.config is not None else layer
-        e, inter, hidden = len(layer.exl3_experts), layer.intermediate_size_per_partition, layer.hidden_size
-        need = {"w13": e * 2 * inter * hidden, "w2": e * hidden * inter}
-        slab = getattr(owner, "exl3_moe_slab", None) or {}
-        for key, numel in need.items():
-            if key not in slab or slab[key].numel() < numel:
-                slab[key] = torch.empty(numel, dtype=torch.float16, device=device)
-        owner.exl3_moe_slab = slab
-
-    def _dense_slab(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
-        """Many rows: every local expert decoded into the model's slab (original basis, fused_experts layout; five
-        launches per role), then SGLang's Triton fused_experts groups the tokens by expert."""
-        from dataclasses import replace
-
-        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
-        from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-        from sglang_exl3.kernels.cuda_trellis import dense_experts
-
-        slab = (self.config if self.config is not None else layer).exl3_moe_slab
-        e, inter, hidden = len(layer.exl3_experts), layer.intermediate_size_per_partition, layer.hidden_size
-        w13 = slab["w13"][: e * 2 * inter * hidden].view(e, 2 * inter, hidden)
-        w2 = slab["w2"][: e * hidden * inter].view(e, hidden, inter)
-        gate, up, down = layer.exl3_dense
-        dense_experts(*gate, out=w13[:, :inter])
-        dense_experts(*up, out=w13[:, inter:])
-        dense_experts(*down, out=w2)
-        cfg = replace(self.moe_runner_config, inplace=False, routed_scaling_factor=None)  # apply() scales
-        out = fused_experts(x16, w13, w2, StandardTopKOutput(topk_weights, topk_ids, None), cfg)
-        return out.float()
+        reserve_slab(self._slab_owner(layer), len(layer.exl3_experts), layer.intermediate_size_per_partition,
+                     layer.hidden_size, device)
 
     def _capturable(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
         """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read),
-        or from DENSE_MIN_ROWS rows the dense slab + fused_experts; elsewhere every expert on every row."""
-        banks = layer.exl3_banks
-        if banks is None:
+        or from DENSE_MIN_ROWS rows the dense slab + SGLang's fused_experts; elsewhere every expert on every row."""
+        tiers = layer.exl3_tiers
+        if tiers is None:
             return self._all_experts(layer, x16, topk_weights, topk_ids)
-        if x16.shape[0] >= DENSE_MIN_ROWS and layer.exl3_dense is not None:
-            return self._dense_slab(layer, x16, topk_weights, topk_ids)
-        gate, up, down = banks
-        return torch.ops.exl3.moe_routed(x16.contiguous(), topk_ids, topk_weights, gate.rows, up.rows, down.rows,
-                                         gate.meta, down.meta, self.moe_runner_config.activation == "gelu")
+        if x16.shape[0] >= DENSE_MIN_ROWS:
+            return dense_forward(tiers, self._slab_owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
+                                 layer.hidden_size, x16, topk_weights, topk_ids, self.moe_runner_config)
+        return routed_forward(tiers, x16, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")
 
     def _all_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
         """Capturable: every local expert on every row, weighted (0 where the expert is not routed)."""
@@ -235,49 +207,6 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, topk_weights[rows, slot].float()[:, None] * self._expert(layer, e, x16[rows]))
         return out
-
-
-def stack_experts(experts: list[dict[str, Exl3Shard]], backend: Backend):
-    """Per role, the experts' kernel-layout weights moved into one tensor stacked along N (each shard's trellis
-    becomes a view of it: no second copy), with suh [E, K], svh [E*N] and a ones [K] vector: what
-    `cuda_trellis.dense_experts` decodes in five launches. None where the experts are not uniform (see
-    expert_banks) or the backend is not ours."""
-    if backend != Backend.CUDA or not experts or not _uniform(experts):
-        return None
-    out = []
-    for role in ROLES:
-        shards = [e[role] for e in experts]
-        stacked = torch.cat([s.trellis for s in shards])
-        nt = shards[0].trellis.shape[0]
-        for i, s in enumerate(shards):
-            s.trellis = stacked[i * nt:(i + 1) * nt]
-        suh = torch.stack([s.suh for s in shards])
-        out.append((stacked, suh, torch.cat([s.svh for s in shards]), shards[0].codebook,
-                    torch.ones(suh.shape[1], dtype=torch.float16, device=suh.device)))
-    return tuple(out)
-
-
-def _uniform(experts: list[dict[str, Exl3Shard]]) -> bool:
-    first = experts[0]
-    for shards in experts:
-        for role, s in shards.items():
-            ref = first[role]
-            if (tuple(s.trellis.shape) != tuple(ref.trellis.shape) or s.codebook != ref.codebook
-                    or s.trellis.shape[0] * 16 != s.out_features or s.out_features % 128 or not s.kernel_layout):
-                return False
-    return first["w1"].codebook == first["w3"].codebook and first["w1"].trellis.shape == first["w3"].trellis.shape
-
-
-def expert_banks(experts: list[dict[str, Exl3Shard]], backend: Backend):
-    """(gate, up, down) expert banks for routed groups on our CUDA kernels; None where they cannot be built (another
-    backend; experts of different bits, codebooks or shapes; output widths that are trimmed or not whole blocks)."""
-    if backend != Backend.CUDA or not experts or not _uniform(experts):
-        return None  # gate and up share launches, and a bank one shape, bitrate and codebook
-    first = experts[0]
-    from sglang_exl3.kernels.cuda_trellis import make_expert_bank
-
-    return tuple(make_expert_bank([e[role].trellis for e in experts], [e[role].suh for e in experts],
-                                  [e[role].svh for e in experts], first[role].codebook) for role in ROLES)
 
 
 def scheduler_token_bound(config=None) -> int:

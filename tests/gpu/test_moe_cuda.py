@@ -20,18 +20,18 @@ pytest.importorskip("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
 HIDDEN, INTER, EXPERTS, TOPK = 256, 256, 6, 2
 
 
-def _layer():
+def _layer(bits_per_expert=(4,) * EXPERTS):
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.kernels.cuda_trellis import prepare
     from sglang_exl3.layers.linear import Exl3Shard
-    from sglang_exl3.layers.moe import expert_banks, stack_experts
+    from sglang_exl3.layers.moe_kernels import build_tiers
 
     gen = torch.Generator().manual_seed(11)
     experts, cpu = [], []
-    for _ in range(EXPERTS):
+    for bits in bits_per_expert:
         shards, raw = {}, {}
         for role, (k, n) in (("w1", (HIDDEN, INTER)), ("w3", (HIDDEN, INTER)), ("w2", (INTER, HIDDEN))):
-            t = torch.randint(-32768, 32768, (k // 16, n // 16, 64), generator=gen, dtype=torch.int16)
+            t = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), generator=gen, dtype=torch.int16)
             s, v = (torch.randn(k, generator=gen) * 0.1).half(), (torch.randn(n, generator=gen) * 0.1).half()
             raw[role] = (t, s, v)
             shards[role] = Exl3Shard(key=role, trellis=prepare(t.cuda()), suh=s.cuda(), svh=v.cuda(),
@@ -40,8 +40,7 @@ def _layer():
         cpu.append(raw)
     layer = SimpleNamespace(exl3_experts=experts, intermediate_size_per_partition=INTER, hidden_size=HIDDEN,
                             exl3_backend=int(Backend.CUDA))
-    layer.exl3_dense = stack_experts(experts, Backend.CUDA)
-    layer.exl3_banks = expert_banks(experts, Backend.CUDA)
+    layer.exl3_tiers = build_tiers(experts, Backend.CUDA)
     return layer, cpu
 
 
@@ -72,8 +71,14 @@ def _reference(cpu, x, ids, w):
 
 
 @pytest.mark.parametrize("m", [3, 300])
-def test_routed_and_dense_slab_paths_match_the_codec(m):
-    layer, cpu = _layer()
+@pytest.mark.parametrize("bits", [(4,) * EXPERTS, (3, 4, 3, 5, 4, 3)], ids=["uniform", "mixed"])
+def test_routed_and_dense_slab_paths_match_the_codec(m, bits):
+    """Few rows: routed groups (tier by tier when bitrates are mixed); many rows: the dense slab (tier-ordered,
+    ids remapped) + fused_experts; the plan's own choice; all against the codec."""
+    from sglang_exl3.layers.moe_kernels import dense_forward, routed_forward
+
+    layer, cpu = _layer(bits)
+    assert len(layer.exl3_tiers.tiers) == len(set(bits))
     method = _method(layer)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, HIDDEN, generator=gen).half()
@@ -81,9 +86,8 @@ def test_routed_and_dense_slab_paths_match_the_codec(m):
     w = torch.rand(m, TOPK, generator=gen)
     ref = _reference(cpu, x, ids, w)
     xc, idc, wc = x.cuda(), ids.cuda(), w.cuda()
-    routed = torch.ops.exl3.moe_routed(xc, idc.long(), wc, *(b.rows for b in layer.exl3_banks),
-                                       layer.exl3_banks[0].meta, layer.exl3_banks[2].meta, False)
-    dense = method._dense_slab(layer, xc, wc, idc)
+    routed = routed_forward(layer.exl3_tiers, xc, wc, idc, False)
+    dense = dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xc, wc, idc, method.moe_runner_config)
     chosen = method._capturable(layer, xc, wc, idc)
     for name, y in (("routed", routed), ("dense", dense), ("capturable", chosen)):
         assert not torch.isnan(y).any(), name

@@ -1,0 +1,178 @@
+"""EXL3 experts on our CUDA kernels: how a MoE layer's experts are held and run.
+
+Experts are grouped into tiers of one shape, bitrate and codebook (one tier unless the checkpoint mixes
+bitrates). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
+view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
+- routed (few rows): `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair, table
+  gathered on the device; pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
+- dense (from DENSE_MIN_ROWS rows): every expert decoded into the model's fp16 slab in fused_experts' layout
+  (five launches per tier and role), tier by tier; ids remapped to slab positions; SGLang's Triton
+  fused_experts groups the tokens by expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_exl3.kernels.backends import Backend
+from sglang_exl3.layers.linear import Exl3Shard
+
+ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
+# From this many rows the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
+# pairs. Predicted crossover (Qwen3-30B-A3B layer, 4 bits): pairs re-read an expert per (token, expert) pair,
+# m * top-k * 0.8 MB, against ~4 passes over the fp16 slab, E * 3 MB: m * 8 ~ 128 * 16 -> m ~ 256. To be
+# measured with benchmarks/moe.py.
+DENSE_MIN_ROWS = 256
+
+
+@dataclass
+class ExpertTier:
+    experts: list[int]  # local expert ids, ascending
+    dense: tuple  # per role: (stacked tiles, suh [E_t, K], svh [E_t * N], codebook, ones [K])
+    banks: tuple  # per role: Exl3ExpertBank
+
+
+@dataclass
+class ExpertTiers:
+    tiers: list[ExpertTier]
+    tier_of: torch.Tensor | None = None  # int64 [E]: tier of each local expert (None: one tier)
+    local_of: torch.Tensor | None = None  # int64 [E]: index within its tier
+    position: torch.Tensor | None = None  # int64 [E]: row in the tier-ordered slab
+
+    def ids_in_tier(self, ids: torch.Tensor, tier: int) -> torch.Tensor:
+        """Routing ids as tier `tier` sees them: its local index, or -1 (another tier, or another EP rank)."""
+        if self.tier_of is None:
+            return ids
+        safe = ids.clamp(min=0).long()
+        keep = (ids >= 0) & (self.tier_of[safe] == tier)
+        return torch.where(keep, self.local_of[safe], -1)
+
+    def slab_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.position is None:
+            return ids
+        return torch.where(ids >= 0, self.position[ids.clamp(min=0).long()], -1).to(ids.dtype)
+
+
+def _expert_key(shards: dict[str, Exl3Shard]):
+    """An expert's tier key, or None if our kernels cannot run it as one unit (gate and up must share shape and
+    codebook; widths whole Hadamard blocks and untrimmed; weights in the kernel layout)."""
+    for s in shards.values():
+        if s.trellis.shape[0] * 16 != s.out_features or s.out_features % 128 or not s.kernel_layout:
+            return None
+    gate, up, down = (shards[r] for r in ROLES)
+    if gate.codebook != up.codebook or tuple(gate.trellis.shape) != tuple(up.trellis.shape):
+        return None
+    return tuple(gate.trellis.shape), int(gate.codebook), tuple(down.trellis.shape), int(down.codebook)
+
+
+def tier_groups(experts: list[dict[str, Exl3Shard]]) -> list[list[int]] | None:
+    """Local expert ids grouped by shape/bitrate/codebook, tiers in order of first appearance; None if any expert
+    cannot run on our kernels."""
+    groups: dict = {}
+    for e, shards in enumerate(experts):
+        key = _expert_key(shards)
+        if key is None:
+            return None
+        groups.setdefault(key, []).append(e)
+    return list(groups.values())
+
+
+def stack_experts(experts: list[dict[str, Exl3Shard]]) -> tuple:
+    """Per role, one tier's kernel-layout weights moved into one tensor stacked along N (each shard's trellis
+    becomes a view of it), with suh [E, K], svh [E*N] and a ones [K] vector: what `cuda_trellis.dense_experts`
+    decodes in five launches."""
+    out = []
+    for role in ROLES:
+        shards = [e[role] for e in experts]
+        stacked = torch.cat([s.trellis for s in shards])
+        nt = shards[0].trellis.shape[0]
+        for i, s in enumerate(shards):
+            s.trellis = stacked[i * nt:(i + 1) * nt]
+        suh = torch.stack([s.suh for s in shards])
+        out.append((stacked, suh, torch.cat([s.svh for s in shards]), shards[0].codebook,
+                    torch.ones(suh.shape[1], dtype=torch.float16, device=suh.device)))
+    return tuple(out)
+
+
+def expert_banks(experts: list[dict[str, Exl3Shard]]) -> tuple:
+    """(gate, up, down) expert banks of one tier, for routed groups."""
+    from sglang_exl3.kernels.cuda_trellis import make_expert_bank
+
+    first = experts[0]
+    return tuple(make_expert_bank([e[role].trellis for e in experts], [e[role].suh for e in experts],
+                                  [e[role].svh for e in experts], first[role].codebook) for role in ROLES)
+
+
+def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> ExpertTiers | None:
+    """The layer's experts as our kernels run them; None for other backends or experts they cannot run."""
+    if backend != Backend.CUDA or not experts:
+        return None
+    groups = tier_groups(experts)
+    if groups is None:
+        return None
+    tiers = []
+    for group in groups:
+        sub = [experts[e] for e in group]
+        dense = stack_experts(sub)  # first: the banks point at the stacked weights
+        tiers.append(ExpertTier(group, dense, expert_banks(sub)))
+    if len(tiers) == 1:
+        return ExpertTiers(tiers)
+    device = experts[0]["w1"].trellis.device
+    tier_of, local_of, position = (torch.empty(len(experts), dtype=torch.int64) for _ in range(3))
+    at = 0
+    for t, group in enumerate(groups):
+        for i, e in enumerate(group):
+            tier_of[e], local_of[e], position[e] = t, i, at + i
+        at += len(group)
+    return ExpertTiers(tiers, tier_of.to(device), local_of.to(device), position.to(device))
+
+
+def routed_forward(tiers: ExpertTiers, x16: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   gelu: bool) -> torch.Tensor:
+    """fp32 [m, H]: the routed experts only, tier by tier."""
+    out = None
+    for t, tier in enumerate(tiers.tiers):
+        gate, up, down = tier.banks
+        y = torch.ops.exl3.moe_routed(x16.contiguous(), tiers.ids_in_tier(topk_ids, t), topk_weights, gate.rows,
+                                      up.rows, down.rows, gate.meta, down.meta, gelu)
+        out = y if out is None else out + y
+    return out
+
+
+def reserve_slab(owner, experts: int, inter: int, hidden: int, device) -> None:
+    """The model's one fp16 slab for dense expert weights (the largest layer's), allocated at load so that it is
+    counted before the KV cache is sized and captured graphs point at one fixed buffer."""
+    need = {"w13": experts * 2 * inter * hidden, "w2": experts * hidden * inter}
+    slab = getattr(owner, "exl3_moe_slab", None) or {}
+    for key, numel in need.items():
+        if key not in slab or slab[key].numel() < numel:
+            slab[key] = torch.empty(numel, dtype=torch.float16, device=device)
+    owner.exl3_moe_slab = slab
+
+
+def dense_forward(tiers: ExpertTiers, slab: dict, inter: int, hidden: int, x16: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, runner_config) -> torch.Tensor:
+    """fp32 [m, H]: every expert decoded into the slab (tier-ordered), then SGLang's Triton fused_experts."""
+    from dataclasses import replace
+
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from sglang_exl3.kernels.cuda_trellis import dense_experts
+
+    e = sum(len(t.experts) for t in tiers.tiers)
+    w13 = slab["w13"][: e * 2 * inter * hidden].view(e, 2 * inter, hidden)
+    w2 = slab["w2"][: e * hidden * inter].view(e, hidden, inter)
+    at = 0
+    for tier in tiers.tiers:
+        n = len(tier.experts)
+        gate, up, down = tier.dense
+        dense_experts(*gate, out=w13[at:at + n, :inter])
+        dense_experts(*up, out=w13[at:at + n, inter:])
+        dense_experts(*down, out=w2[at:at + n])
+        at += n
+    cfg = replace(runner_config, inplace=False, routed_scaling_factor=None)  # the caller applies the scaling
+    out = fused_experts(x16, w13, w2, StandardTopKOutput(topk_weights, tiers.slab_ids(topk_ids), None), cfg)
+    return out.float()
