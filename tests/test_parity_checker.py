@@ -98,3 +98,16 @@ def test_moe_greedy_divergence_after_a_routing_difference_is_excused():
     stats = sp.compare([_moe_result(prompt, got_routes, tokens=(8, 7), outputs=(other, clear))],
                        [_moe_result(prompt, ref_routes, tokens=(7, 8), outputs=(clear, clear))], moe=(1, 2))
     assert stats["failures"] == [] and stats["greedy_diverged_after_routing_difference"] == 1
+
+
+def test_moe_shape_comes_from_the_checkpoint_config(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_experts": 8,
+                                                      "num_experts_per_tok": 2}))
+    assert sp.moe_shape(tmp_path) == (3, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}))  # Mixtral's spelling
+    assert sp.moe_shape(tmp_path) == (3, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    assert sp.moe_shape(tmp_path) is None
