@@ -39,6 +39,10 @@ def _write_fixture(args: argparse.Namespace) -> int:
     from sglang_exl3.synth.exl3_writer import LLAMA3_8B, ModelDims, write_exl3_checkpoint
 
     dims = LLAMA3_8B if args.shape == "llama3-8b" else ModelDims()
+    if args.kv_heads:
+        from dataclasses import replace
+
+        dims = replace(dims, num_key_value_heads=args.kv_heads)
     if args.rank_sliced_tp:
         from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
 
@@ -96,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--head-bits", type=float, default=6)
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--kv-heads", type=int, default=0, help="override the shape's KV-head count (1: tp > KV heads)")
     w.add_argument("--rank-sliced-tp", type=int, default=0,
                    help="write routed experts in the reference's rank-sliced layout (hybrid_tr3_tail) for this TP")
     w.add_argument("--rotation-layout", choices=["per_expert_v1", "shared_h_v1"], default="per_expert_v1")
