@@ -139,3 +139,11 @@ def test_auto_build_knob(monkeypatch):
     assert backends._may_build() is True
     monkeypatch.setattr(ck, "find_nvcc", lambda: None)
     assert backends._may_build() is False
+
+
+def test_unwritable_cache_is_a_clear_unavailable_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache folder cannot be created under a file
+    with pytest.raises(ck.KernelLibraryUnavailable, match="XDG_CACHE_HOME.*SGLANG_EXL3_KERNEL_LIB"):
+        ck.build_cached_library("90")

@@ -117,14 +117,18 @@ def build_cached_library(arch: str | None = None) -> Path:
     import logging
 
     path = cache_path(arch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            logging.getLogger(__name__).warning(
-                "sglang-exl3: compiling the EXL3 CUDA kernels for sm_%s into %s (once; 1-2 minutes)",
-                _arch_tag(arch), path)
-            build_library(path, arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                logging.getLogger(__name__).warning(
+                    "sglang-exl3: compiling the EXL3 CUDA kernels for sm_%s into %s (once; 1-2 minutes)",
+                    _arch_tag(arch), path)
+                build_library(path, arch)
+    except OSError as e:  # an unwritable cache: say where, and how to avoid it
+        raise KernelLibraryUnavailable(f"cannot build the EXL3 kernels into {path.parent} ({e}); set XDG_CACHE_HOME "
+                                       "to a writable folder or SGLANG_EXL3_KERNEL_LIB to a prebuilt library") from e
     return path
 
 
