@@ -185,3 +185,27 @@ def test_build_tiers_stacks_each_tier_and_needs_our_kernels():
             assert torch.equal(s.trellis, before[e][r])
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # the banks are reached, and need CUDA
         build_tiers([_expert(1), _expert(2, bits=4)], Backend.CUDA)
+
+
+def test_moe_forward_choice_by_rows(monkeypatch):
+    """The capturable plans' choice: no tiers (other backends) -> every expert on every row; below DENSE_MIN_ROWS
+    -> routed groups; from it -> the dense slab. Records which forward ran (the forwards themselves need a GPU and
+    are checked against the codec in tests/gpu/test_moe_cuda.py)."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.layers import moe as moe_layer
+    from sglang_exl3.layers.moe_kernels import DENSE_MIN_ROWS
+
+    ran = []
+    monkeypatch.setattr(moe_layer, "routed_forward", lambda *a, **k: ran.append("routed"))
+    monkeypatch.setattr(moe_layer, "dense_forward", lambda *a, **k: ran.append("dense"))
+    method = moe_layer.Exl3MoEMethod({}, "x.experts")
+    method.moe_runner_config = SimpleNamespace(activation="silu")
+    monkeypatch.setattr(method, "_all_experts", lambda *a: ran.append("all"))
+    layer = SimpleNamespace(exl3_tiers=object(), intermediate_size_per_partition=128, hidden_size=256,
+                            exl3_moe_slab={})
+    for m in (1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 4 * DENSE_MIN_ROWS):
+        method._capturable(layer, torch.zeros(m, 256, dtype=torch.float16), None, None)
+    layer.exl3_tiers = None
+    method._capturable(layer, torch.zeros(1, 256, dtype=torch.float16), None, None)
+    assert ran == ["routed", "routed", "dense", "dense", "all"]
