@@ -90,8 +90,8 @@ def test_group_tables_read_back_as_the_kernels_read_them(compiled):
     banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(10 + e, 20 + e, 30 + e) for e in range(6)], 48, 8), n_tiles=48,
                                k_tiles=128, splits=8, k2=4, codebook=1) for _ in range(2)]
     ids = torch.tensor([5, 0, 3, 3, 1])
-    x_rows = torch.tensor([0, 0, 1, 2, 2])
-    table, items, cols, partial, widths = ck.routed_table(banks, ids, x_rows)
+    x_rows = torch.tensor([0, 0, 1, 1, 2])  # pair p reads x row p // 2 (top-2 routing)
+    table, items, cols, partial, widths = ck.routed_table(banks, ids, 2)
     per_item, per_col = 48 * 8, 48 * 16
     assert table.shape == (10, 8) and items == 10 * per_item and cols == 10 * per_col and widths == [768, 768]
     assert partial == 10 * 8 * 768
@@ -147,3 +147,18 @@ def test_unwritable_cache_is_a_clear_unavailable_error(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache folder cannot be created under a file
     with pytest.raises(ck.KernelLibraryUnavailable, match="XDG_CACHE_HOME.*SGLANG_EXL3_KERNEL_LIB"):
         ck.build_cached_library("90")
+
+
+@pytest.mark.slow
+def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypatch):
+    """The one-launch table builder's per-source code (run over host memory) writes exactly the rows of the torch
+    reference builder, for two banks of different widths and a top-3 routing."""
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(7)], nt, sp),
+                               n_tiles=nt, k_tiles=64, splits=sp, k2=6, codebook=2)
+             for b, (nt, sp) in enumerate(((48, 8), (128, 3)))]
+    ids = torch.tensor([6, 0, 3, 3, 1, 5, 2, 2, 4], dtype=torch.int64)
+    want = ck.routed_table(banks, ids, 3)
+    got = ck.routed_table(banks, ids, 3, ck.routed_table_builder(on_host=True))
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+    assert want[0][:, 4].tolist() == [p // 3 for p in range(9)] * 2

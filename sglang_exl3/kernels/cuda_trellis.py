@@ -146,6 +146,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
     lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
+    ll = ctypes.c_longlong
+    lib.exl3_routed_table.argtypes = [p, p, i, i, ll, ll, ll, ll, ll, ll, p, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -422,29 +424,53 @@ def bank_rows(pointers: list[tuple[int, int, int]], n_tiles: int, splits: int) -
                         dtype=torch.int64)
 
 
-def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_rows: torch.Tensor) -> tuple[torch.Tensor, int,
-                                                                                               int, int, list[int]]:
-    """GroupSource rows for every (bank, pair): bank b's expert ids[p] reading x row x_rows[p], numbered bank by
-    bank, pair by pair. Device ops only (capturable). Returns the table, total work items, output columns, partial
-    elements and each bank's output width."""
+def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
+                 build=None) -> tuple[torch.Tensor, int, int, int, list[int]]:
+    """GroupSource rows for every (bank, pair): bank b's expert ids[p] reading x row p // x_row_div, numbered bank
+    by bank, pair by pair. `build(bank, ids, x_row_div, item0, col0, base0, out)` fills one bank's block (default:
+    device ops, capturable; `routed_table_builder` is the one-launch kernel). Returns the table, total work items,
+    output columns, partial elements and each bank's output width."""
     pairs = ids.shape[0]
-    arange = torch.arange(pairs, device=ids.device, dtype=torch.int64)
-    parts, item, col, base, widths = [], 0, 0, 0, []
-    for b in banks:
+    table = torch.empty(len(banks) * pairs, 8, dtype=torch.int64, device=ids.device)
+    item, col, base, widths = 0, 0, 0, []
+    for i, b in enumerate(banks):
         n = b.n_tiles * 16
-        rows = b.rows.index_select(0, ids)
-        per = torch.stack([x_rows.to(torch.int64), item + arange * (b.n_tiles * b.splits), col + arange * n,
-                           base + arange * (b.splits * n)], dim=1)
-        parts.append(torch.cat([rows[:, :4], per], dim=1))
+        (build or _torch_routed_rows)(b, ids, x_row_div, item, col, base, table[i * pairs:(i + 1) * pairs])
         item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
         widths.append(n)
-    return torch.cat(parts).contiguous(), item, col, base, widths
+    return table, item, col, base, widths
+
+
+def _torch_routed_rows(bank: Exl3ExpertBank, ids: torch.Tensor, x_row_div: int, item0: int, col0: int, base0: int,
+                       out: torch.Tensor) -> None:
+    """The reference builder (torch ops): what the kernel's routed_source computes per pair."""
+    arange = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+    n = bank.n_tiles * 16
+    out[:, :4] = bank.rows.index_select(0, ids)[:, :4]
+    out[:, 4] = arange // x_row_div
+    out[:, 5] = item0 + arange * (bank.n_tiles * bank.splits)
+    out[:, 6] = col0 + arange * n
+    out[:, 7] = base0 + arange * (bank.splits * n)
+
+
+def routed_table_builder(on_host: bool = False):
+    """The library's one-launch builder (`on_host`: the same code over host memory, for tests without a GPU)."""
+    lib = load_library()
+
+    def build(bank, ids, x_row_div, item0, col0, base0, out):
+        n = bank.n_tiles * 16
+        stream = None if on_host else _stream(ids)
+        _check(lib.exl3_routed_table(bank.rows.data_ptr(), ids.data_ptr(), ids.shape[0], x_row_div, item0, col0, base0,
+                                     bank.n_tiles * bank.splits, n, bank.splits * n, out.data_ptr(), int(on_host),
+                                     stream), "routed table")
+    return build
 
 
 def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
-                  x_rows: torch.Tensor) -> list[torch.Tensor]:
-    """For every pair p: bank_b's expert ids[p] applied to x[x_rows[p]], for each bank b, in three launches in all.
-    x fp16 [R, K]; ids, x_rows int64 [P] on the device (ids valid local experts). Returns fp16 [P, N_b] per bank."""
+                  x_row_div: int = 1) -> list[torch.Tensor]:
+    """For every pair p: bank_b's expert ids[p] applied to x[p // x_row_div], for each bank b: one table launch per
+    bank, then three launches in all. x fp16 [R, K]; ids int64 [P] on the device (valid local experts). Returns fp16
+    [P, N_b] per bank."""
     first = banks[0]
     for b in banks:
         if (b.k_tiles, b.k2, b.codebook) != (first.k_tiles, first.k2, first.codebook):
@@ -453,7 +479,7 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
     pairs = ids.shape[0]
     if pairs == 0:
         return [torch.empty(0, b.n_tiles * 16, dtype=torch.float16, device=x.device) for b in banks]
-    table, item, col, base, widths = routed_table(banks, ids, x_rows)
+    table, item, col, base, widths = routed_table(banks, ids.contiguous(), x_row_div, routed_table_builder())
     num = len(banks) * pairs
     xh = torch.empty(num, 1, first.k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(base, dtype=torch.float32, device=x.device)

@@ -105,13 +105,11 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ids = topk_ids.reshape(-1).to(torch.int64)
     valid = ids >= 0
     ids = ids.clamp(min=0)
-    tokens = torch.arange(m, device=x.device, dtype=torch.int64).repeat_interleave(topk)
     gate, up = routed_linear(x, [Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
-                                 Exl3ExpertBank.from_meta(up_rows, gate_up_meta)], ids, tokens)
+                                 Exl3ExpertBank.from_meta(up_rows, gate_up_meta)], ids, x_row_div=topk)
     act = torch.nn.functional.gelu(gate.float(), approximate="tanh") if gelu else torch.nn.functional.silu(gate.float())
     hidden = (act * up.float()).to(torch.float16)
-    (y,) = routed_linear(hidden, [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids,
-                         torch.arange(ids.shape[0], device=x.device, dtype=torch.int64))
+    (y,) = routed_linear(hidden, [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids)
     weights = (topk_weights.float().reshape(-1) * valid).reshape(m, topk, 1)
     return (y.float().reshape(m, topk, -1) * weights).sum(dim=1)
 

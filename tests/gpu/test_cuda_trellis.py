@@ -246,11 +246,12 @@ def test_routed_linear_equals_each_pair_run_alone():
     experts = _experts(5, 256, 384, 4, seed=100)
     gate, up, _ = _banks(experts, Codebook.MCG)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).half().cuda()
-    ids = torch.tensor([4, 0, 2, 2, 1, 4, 3], device="cuda")
-    rows = torch.tensor([0, 5, 1, 3, 3, 2, 0], device="cuda")
-    g, u = ck.routed_linear(x, [gate, up], ids, rows)
+    ids = torch.tensor([4, 0, 2, 2, 1, 4, 3, 0, 2, 1, 3], device="cuda")  # top-2: pair p reads row p // 2
+    g, u = ck.routed_linear(x, [gate, up], ids, x_row_div=2)
+    device_table = ck.routed_table([gate, up], ids, 2, ck.routed_table_builder())[0]
+    assert torch.equal(device_table, ck.routed_table([gate, up], ids, 2)[0])  # the one-launch builder
     for p in range(ids.numel()):
-        e, r = int(ids[p]), int(rows[p])
+        e, r = int(ids[p]), p // 2
         for got, bank, role in ((g, gate, 0), (u, up, 1)):
             alone = ck.exl3_linear(x[r:r + 1], bank.sources[0][e], bank.sources[1][e], bank.sources[2][e],
                                    Codebook.MCG, path="fused")

@@ -405,6 +405,32 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
                                k_tiles, src.n_tiles, src.splits, item - (int)src.item_begin);
 }
 
+// Routed groups: source p of one bank = (pair p's expert, x row p / x_row_div); sizes per source are uniform
+// within a bank, so the offsets are arithmetic. ids must be valid local experts (-1 mapped to 0 by the caller).
+// Host and device: the host builder below checks it against the Python reference without a GPU.
+__host__ __device__ __forceinline__ void routed_source(const long long* __restrict__ bank_rows,
+                                                       const long long* __restrict__ ids, int p, int x_row_div,
+                                                       long long item0, long long col0, long long base0,
+                                                       long long items, long long cols, long long part,
+                                                       long long* __restrict__ out) {
+  const long long* r = bank_rows + ids[p] * 8;
+  out[0] = r[0];
+  out[1] = r[1];
+  out[2] = r[2];
+  out[3] = r[3];
+  out[4] = p / x_row_div;
+  out[5] = item0 + p * items;
+  out[6] = col0 + p * cols;
+  out[7] = base0 + p * part;
+}
+
+__global__ void routed_table_kernel(const long long* __restrict__ bank_rows, const long long* __restrict__ ids,
+                                    int pairs, int x_row_div, long long item0, long long col0, long long base0,
+                                    long long items, long long cols, long long part, long long* __restrict__ table) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p < pairs) routed_source(bank_rows, ids, p, x_row_div, item0, col0, base0, items, cols, part, table + p * 8);
+}
+
 // ---- Hadamard-128 rotations (fp32 butterflies in exllamav3's stage order: bit-exact had_r_128) --
 
 __device__ __forceinline__ void butterfly128(float (&v)[4], int lane) {
@@ -644,6 +670,26 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   }();
   if (code != 0) return code;
   had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
+  return (int)cudaGetLastError();
+}
+
+// One bank's rows of a routed group table, built on the device from the routing in one launch (table: int64
+// [pairs, 8], the bank's block of the group table). `on_host` = 1 runs the same code on host memory (tests).
+int exl3_routed_table(const void* bank_rows, const void* ids, int pairs, int x_row_div, long long item0,
+                      long long col0, long long base0, long long items, long long cols, long long part, void* table,
+                      int on_host, void* stream) {
+  if (pairs < 0 || x_row_div <= 0 || items <= 0 || cols <= 0 || part <= 0) return -3;
+  if (pairs == 0) return 0;
+  auto rows = (const long long*)bank_rows;
+  auto id = (const long long*)ids;
+  auto out = (long long*)table;
+  if (on_host) {
+    for (int p = 0; p < pairs; ++p) routed_source(rows, id, p, x_row_div, item0, col0, base0, items, cols, part,
+                                                  out + p * 8);
+    return 0;
+  }
+  routed_table_kernel<<<(pairs + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, id, pairs, x_row_div, item0, col0,
+                                                                             base0, items, cols, part, out);
   return (int)cudaGetLastError();
 }
 
