@@ -73,6 +73,9 @@ def main() -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--workdir", default="/tmp/e2e")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"],
+                    help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
+                         "disk that holds it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/e2e.py needs a CUDA GPU", file=sys.stderr)
@@ -81,18 +84,20 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     head = header(sys.argv)
     head.update(backend=args.backend, decode_tokens=DECODE_TOKENS, prefill_len=PREFILL_LEN,
-                prefill_batch=PREFILL_BATCH, shape="Llama-3-8B (random trellis)")
+                prefill_batch=PREFILL_BATCH, shape=f"{args.shape} (random trellis)")
+    arch = {"llama3-8b": "llama", "qwen3-30b-a3b": "qwen3_moe"}[args.shape]
+    codebook = "mcg" if arch == "qwen3_moe" else "mul1"
     rows, py = [], sys.executable
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):
-        ckpt = work / f"llama3-8b-exl3-{bits}bpw"
+        ckpt = work / f"{args.shape}-exl3-{bits}bpw"
         if not ckpt.exists():
-            subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--shape", "llama3-8b",
-                            "--bits", str(bits), "--codebook", "mul1", "--seed", str(bits)], check=True)
+            subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--arch", arch, "--shape", args.shape,
+                            "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
         rows.append(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"],
                                       {"SGLANG_EXL3_BACKEND": args.backend}, work, 32000 + i))
         print("ROW " + json.dumps(rows[-1]), flush=True)  # survives a run cut short
         if i == 0 and not args.skip_bf16:
-            dense = work / "llama3-8b-bf16"
+            dense = work / f"{args.shape}-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
@@ -100,7 +105,7 @@ def main() -> int:
                                           {}, work, 32100))
             print("ROW " + json.dumps(rows[-1]), flush=True)
     cols = ["model", "ready_s", "weights_gb", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES], "prefill_tok_s"]
-    write_results("e2e", head, rows, cols)
+    write_results("e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}", head, rows, cols)
     return 0
 
 

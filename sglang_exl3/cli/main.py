@@ -36,9 +36,12 @@ def _dequantize(args: argparse.Namespace) -> int:
 
 
 def _write_fixture(args: argparse.Namespace) -> int:
-    from sglang_exl3.synth.exl3_writer import LLAMA3_8B, ModelDims, write_exl3_checkpoint
+    from sglang_exl3.synth.exl3_writer import SHAPES, ModelDims, write_exl3_checkpoint
 
-    dims = LLAMA3_8B if args.shape == "llama3-8b" else ModelDims()
+    if args.shape != "tiny" and SHAPES[args.shape][0] != args.arch:
+        want = SHAPES[args.shape][0]
+        raise SystemExit(f"--shape {args.shape} is a {want} shape; pass --arch {want}")
+    dims = SHAPES[args.shape][1] if args.shape != "tiny" else ModelDims()
     if args.kv_heads:
         from dataclasses import replace
 
@@ -95,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("write-fixture", help="write a random-trellis EXL3 checkpoint in exllamav3's layout")
     w.add_argument("out")
     w.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"], default="llama")
-    w.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny")
+    w.add_argument("--shape", choices=["tiny", "llama3-8b", "qwen3-30b-a3b"], default="tiny",
+                   help="real model dimensions (random trellis) for benchmarks; tiny for tests")
     w.add_argument("--bits", type=float, default=4)
     w.add_argument("--head-bits", type=float, default=6)
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")

@@ -58,6 +58,10 @@ class ModelDims:
 
 LLAMA3_8B = ModelDims(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256)
+QWEN3_30B_A3B = ModelDims(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768)
+SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B)}
 
 
 def _pad(n: int) -> int:
