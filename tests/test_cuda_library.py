@@ -162,3 +162,24 @@ def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypat
     got = ck.routed_table(banks, ids, 3, ck.routed_table_builder(on_host=True))
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
     assert want[0][:, 4].tolist() == [p // 3 for p in range(9)] * 2
+
+
+def test_a_failed_first_use_build_is_not_retried(monkeypatch, tmp_path):
+    """auto: when the first-use build fails, the process falls back once; later layers do not compile again."""
+    from sglang_exl3.kernels import backends
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SGLANG_EXL3_KERNEL_LIB", raising=False)
+    monkeypatch.setattr(ck, "find_nvcc", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(backends, "_BUILD_FAILED", [])
+    calls = []
+
+    def failing_build(out, arch=None, verbose=False):
+        calls.append(out)
+        raise ck.KernelLibraryUnavailable("nvcc failed building exl3_trellis.cu")
+
+    monkeypatch.setattr(ck, "build_library", failing_build)
+    for _ in range(3):
+        with pytest.raises(backends.BackendUnavailable, match="not built|nvcc failed"):
+            backends._auto_load_our_kernels()
+    assert len(calls) == 1 and backends._may_build() is False

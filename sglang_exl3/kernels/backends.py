@@ -57,10 +57,23 @@ def _load_our_kernels(build: bool):
         raise BackendUnavailable(str(e)) from e
 
 
+_BUILD_FAILED: list[str] = []  # a failed first-use build is not retried by every later layer of the process
+
+
 def _may_build() -> bool:
     from sglang_exl3.kernels.cuda_trellis import find_nvcc
 
-    return bool(knobs.get("AUTO_BUILD")) and find_nvcc() is not None
+    return bool(knobs.get("AUTO_BUILD")) and not _BUILD_FAILED and find_nvcc() is not None
+
+
+def _auto_load_our_kernels():
+    build = _may_build()
+    try:
+        return _load_our_kernels(build)
+    except BackendUnavailable as e:
+        if build:
+            _BUILD_FAILED.append(str(e))
+        raise
 
 
 @cache
@@ -96,7 +109,7 @@ def resolve_backend(device: torch.device) -> Backend:
     # JIT build of several minutes.
     if cuda and torch.cuda.get_device_capability(device)[0] >= 8:
         try:
-            _load_our_kernels(build=_may_build())
+            _auto_load_our_kernels()
             return Backend.CUDA
         except BackendUnavailable as e:
             _warn_once(f"sglang-exl3: our CUDA kernels are unavailable ({e}); falling back")
