@@ -184,6 +184,7 @@ def normalize_weight_name(name: str, tp_rank: int, spec: RankSlicedSpec | None) 
 
 
 ROLE_PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # SGLang shard id, checkpoint name
+ROLE_H_SIDE = {role: H_SIDE[proj] for role, proj in ROLE_PROJECTIONS}
 
 
 def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, layer: int, rank: int):
@@ -194,7 +195,7 @@ def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, lay
     from sglang_exl3.format.checkpoint import Exl3ModuleRecord
     from sglang_exl3.format.constants import Codebook
 
-    stored = _stored_prefix(tensors, experts_prefix)
+    stored = _stored_prefix(tensors, experts_prefix, rank)
     records, problems = {}, []
     for e in range(spec.experts_per_layer):
         for role, proj in ROLE_PROJECTIONS:
@@ -224,9 +225,9 @@ def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, lay
     return records
 
 
-def _stored_prefix(tensors: dict, experts_prefix: str) -> str:
+def _stored_prefix(tensors: dict, experts_prefix: str, rank: int) -> str:
     """The checkpoint's spelling of an SGLang experts prefix (with or without a leading `model.`)."""
     for cand in (experts_prefix, f"model.{experts_prefix}", experts_prefix.removeprefix("model.")):
-        if any(f"{cand}.0.gate_proj.rank{r}.trellis" in tensors for r in range(2)):
+        if f"{cand}.0.gate_proj.rank{rank}.trellis" in tensors:
             return cand
     return experts_prefix

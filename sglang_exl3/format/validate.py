@@ -47,10 +47,15 @@ def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     from sglang_exl3.format import rank_sliced
 
     if ckpt.config and rank_sliced.claims(ckpt.config):
-        out = _hybrid_problems(ckpt)
-        if not ckpt.tensors:
-            out.append(Problem("no safetensors files found", fix="copy the model's *.safetensors files"))
-        return out
+        out = _hybrid_problems(ckpt)  # quantization_config and the sidecar may name another method / be absent
+    else:
+        out = _exl3_config_problems(ckpt)
+    if not ckpt.tensors and ckpt.config:
+        out.append(Problem("no safetensors files found", fix="copy the model's *.safetensors files"))
+    return out
+
+
+def _exl3_config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     out = []
     qc = ckpt.config.get("quantization_config") if ckpt.config else None
     if ckpt.config and not isinstance(qc, dict):
@@ -64,8 +69,6 @@ def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
         missing = "missing" if ckpt.sidecar is None else "has no tensor_storage"
         out.append(Problem(f"{SIDECAR_NAME} {missing}. {EMPTY_STORAGE_MESSAGE}",
                            fix=f"copy {SIDECAR_NAME} from the exllamav3 output folder"))
-    if not ckpt.tensors and ckpt.config:
-        out.append(Problem("no safetensors files found", fix="copy the model's *.safetensors files"))
     return out
 
 

@@ -49,10 +49,15 @@ def _arch_tag(arch: str | None) -> str:
     return "90"
 
 
+@cache
+def _source_digest() -> str:
+    """The kernel source's hash (read once: every kernel call resolves the library path through it)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def cache_path(arch: str | None = None) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang_exl3"
-    return root / f"libexl3_trellis-{digest}-sm{_arch_tag(arch)}.so"
+    return root / f"libexl3_trellis-{_source_digest()}-sm{_arch_tag(arch)}.so"
 
 
 def find_nvcc() -> str | None:
@@ -332,13 +337,22 @@ class Exl3Group:
                    partial_per_row=partial_per_row, k2=k2, codebook=int(codebook))
 
 
+def _check_source(what: str, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> None:
+    """One source of a group or bank: prepare()d weights, its rotations, whole 128-wide output blocks."""
+    _check_tiles(tiles)
+    nt, kt = tiles.shape[0], tiles.shape[1]
+    if nt * 16 % 128:
+        raise ValueError(f"{what}: N = {nt * 16} is not a multiple of 128")
+    _check_fp16(f"{what} suh", suh, (kt * 16,))
+    _check_fp16(f"{what} svh", svh, (nt * 16,))
+
+
 def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor], codebook: Codebook,
                splits: list[int] | None = None) -> Exl3Group:
     """Sources must share K, bits and codebook; each source's N a multiple of 128 (its output Hadamard blocks)."""
     if not tiles or not (len(tiles) == len(suh) == len(svh)):
         raise ValueError("a group needs matching, non-empty lists of tiles, suh and svh")
-    for t in tiles:
-        _check_tiles(t)
+    _check_tiles(tiles[0])
     kt, k2 = tiles[0].shape[1], _k2(tiles[0])
     sources = []
     for i, t in enumerate(tiles):
@@ -346,10 +360,7 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
         if t.shape[1] != kt or _k2(t) != k2:
             raise ValueError(f"group source {i}: K/16 = {t.shape[1]}, words = {t.shape[2]}; the group has K/16 = {kt}, "
                              f"words = {tiles[0].shape[2]} (sources of one group share K, bits and codebook)")
-        if nt * 16 % 128:
-            raise ValueError(f"group source {i}: N = {nt * 16} is not a multiple of 128")
-        _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
-        _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
+        _check_source(f"group source {i}", t, suh[i], svh[i])
         sp = splits[i] if splits else default_splits(kt, nt, t.device)
         sources.append((t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp))
     rows, item, col, base = group_table(sources)
@@ -403,14 +414,10 @@ def make_expert_bank(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: li
         raise ValueError("an expert bank needs matching, non-empty lists of tiles, suh and svh")
     nt, kt, k2 = tiles[0].shape[0], tiles[0].shape[1], _k2(tiles[0])
     for i, t in enumerate(tiles):
-        _check_tiles(t)
+        _check_source(f"expert {i}", t, suh[i], svh[i])
         if tuple(t.shape) != tuple(tiles[0].shape):
             raise ValueError(f"expert {i}: weights {tuple(t.shape)}, expert 0 {tuple(tiles[0].shape)} (the experts "
                              "of one bank share K, N and bits)")
-        _check_fp16(f"suh[{i}]", suh[i], (kt * 16,))
-        _check_fp16(f"svh[{i}]", svh[i], (nt * 16,))
-    if nt * 16 % 128:
-        raise ValueError(f"expert bank: N = {nt * 16} is not a multiple of 128")
     sp = splits or default_splits(kt, nt, tiles[0].device)
     rows = bank_rows([(t.data_ptr(), u.data_ptr(), v.data_ptr()) for t, u, v in zip(tiles, suh, svh, strict=True)],
                      nt, sp)

@@ -58,6 +58,13 @@ class Exl3Shard:
     def in_features(self) -> int:
         return self.trellis.shape[1 if self.kernel_layout else 0] * 16
 
+    @property
+    def launch_ready(self) -> bool:
+        """Can share launches with other sources on our kernels: kernel layout, output width untrimmed and whole
+        128-wide Hadamard blocks."""
+        n = self.trellis.shape[0] * 16
+        return self.kernel_layout and n == self.out_features and n % 128 == 0
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -140,13 +147,11 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
     """One same-input group for a fused layer's sources (q/k/v, gate/up) on our CUDA kernels, so small-m forwards
     take 3 launches instead of 3 per source; None where the sources cannot share launches (different K, bits
     or codebook, an output width that is trimmed or not whole Hadamard blocks)."""
-    if backend != Backend.CUDA or len(shards) < 2 or not all(s.kernel_layout for s in shards):
+    if backend != Backend.CUDA or len(shards) < 2:
         return None
     first = shards[0]
     for s in shards:
-        n = s.trellis.shape[0] * 16
-        if (s.trellis.shape[1:] != first.trellis.shape[1:] or s.codebook != first.codebook
-                or n != s.out_features or n % 128):
+        if not s.launch_ready or s.trellis.shape[1:] != first.trellis.shape[1:] or s.codebook != first.codebook:
             return None
     from sglang_exl3.kernels.cuda_trellis import make_group
 

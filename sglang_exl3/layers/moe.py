@@ -24,6 +24,7 @@ from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from sglang_exl3.format import Exl3ModuleRecord
+from sglang_exl3.format.rank_sliced import ROLE_H_SIDE
 from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers.linear import (
     Exl3Shard,
@@ -125,8 +126,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
         self.runners = {DECODE: self._capturable, PREFILL: self._capturable, PARITY: self._routed_experts}
         layer.exl3_role = layer_role(self.prefix, getattr(layer, "exl3_is_draft", None))
-        owner = self.config if self.config is not None else layer
-        layer.exl3_plan = PLANS.plan_for(owner, layer.exl3_role,
+        layer.exl3_plan = PLANS.plan_for(self._owner(layer), layer.exl3_role,
                                          lambda: build_moe_plan(scheduler_token_bound(self.config)))
 
     def _build(self, layer, global_e: int, role: str, cut: Exl3Slice, device) -> Exl3Shard:
@@ -135,7 +135,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         record = self.records[(global_e, role)]
         got = layer.exl3_moe_loaded.get((global_e, role), {})
         if self.shared_h:
-            side = "svh" if role == "w2" else "suh"
+            side = ROLE_H_SIDE[role]
             shared = layer.exl3_moe_loaded.get((0, role), {}).get(side)
             if shared is not None:
                 got = {**got, side: shared}
@@ -174,11 +174,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             hidden = torch.nn.functional.gelu(gate, approximate="tanh") * up
         return run_shard(hidden.to(torch.float16), shards["w2"], layer.exl3_backend, where).float()
 
-    def _slab_owner(self, layer):
-        return self.config if self.config is not None else layer  # one slab per model (its config)
+    def _owner(self, layer):
+        """The model scope that owns plans and scratch: its quantization config (one per model)."""
+        return self.config if self.config is not None else layer
 
     def _reserve_slab(self, layer, device) -> None:
-        reserve_slab(self._slab_owner(layer), len(layer.exl3_experts), layer.intermediate_size_per_partition,
+        reserve_slab(self._owner(layer), len(layer.exl3_experts), layer.intermediate_size_per_partition,
                      layer.hidden_size, device)
 
     def _capturable(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
@@ -188,7 +189,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if tiers is None:
             return self._all_experts(layer, x16, topk_weights, topk_ids)
         if x16.shape[0] >= DENSE_MIN_ROWS:
-            return dense_forward(tiers, self._slab_owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
+            return dense_forward(tiers, self._owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
                                  layer.hidden_size, x16, topk_weights, topk_ids, self.moe_runner_config)
         return routed_forward(tiers, x16, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")
 

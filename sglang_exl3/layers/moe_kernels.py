@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS
 from sglang_exl3.kernels.backends import Backend
 from sglang_exl3.layers.linear import Exl3Shard
 
-ROLES = ("w1", "w3", "w2")  # gate, up, down (SGLang's shard ids)
+ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's shard ids)
 # From this many rows the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
 # pairs. Predicted crossover (Qwen3-30B-A3B layer, 4 bits): pairs re-read an expert per (token, expert) pair,
 # m * top-k * 0.8 MB, against ~4 passes over the fp16 slab, E * 3 MB: m * 8 ~ 128 * 16 -> m ~ 256. To be
@@ -58,9 +59,8 @@ class ExpertTiers:
 def _expert_key(shards: dict[str, Exl3Shard]):
     """An expert's tier key, or None if our kernels cannot run it as one unit (gate and up must share shape and
     codebook; widths whole Hadamard blocks and untrimmed; weights in the kernel layout)."""
-    for s in shards.values():
-        if s.trellis.shape[0] * 16 != s.out_features or s.out_features % 128 or not s.kernel_layout:
-            return None
+    if not all(s.launch_ready for s in shards.values()):
+        return None
     gate, up, down = (shards[r] for r in ROLES)
     if gate.codebook != up.codebook or tuple(gate.trellis.shape) != tuple(up.trellis.shape):
         return None

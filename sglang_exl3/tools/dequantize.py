@@ -20,6 +20,7 @@ from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.weight import dequantize_weight
 from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
+from sglang_exl3.format.rank_sliced import claims
 from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.tools.logical_shapes import logical_sizes, meta_model_shapes
 
@@ -41,27 +42,23 @@ def _module_weight(
 
 
 def _rank_sliced_experts(ckpt: Exl3Checkpoint, device: str):
-    """(name, fp16 weight [out, in]) of every rank-sliced routed expert, its tp slices joined."""
-    from sglang_exl3.format.constants import Codebook
-    from sglang_exl3.format.rank_sliced import H_SIDE, parse
+    """(name, fp16 weight [out, in]) of every rank-sliced routed expert, its tp slices joined. Each rank's slices are
+    found (and their bitrates checked) by the loader's own `expert_records`."""
+    from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS, expert_records, parse
 
     spec = parse(ckpt.config, ckpt.path)
     for layer in range(spec.moe_layers[0], spec.moe_layers[1] + 1):
         prefix = f"model.layers.{layer}.mlp.experts"
+        ranks = [expert_records(ckpt.tensors, spec, prefix, layer, r) for r in range(spec.tp)]
         for e in range(spec.experts_per_layer):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
+            for role, proj in ROLE_PROJECTIONS:
                 parts = []
-                for r in range(spec.tp):
-                    base = f"{prefix}.{e}.{proj}.rank{r}"
-                    rot = {}
-                    for fld in ("suh", "svh"):
-                        shared = spec.rotation_layout == "shared_h_v1" and fld == H_SIDE[proj]
-                        name = f"{prefix}.shared_h.{proj}.rank{r}.{fld}" if shared else f"{base}.{fld}"
-                        rot[fld] = ckpt.load_tensor(name, device)
-                    w = dequantize_weight(ckpt.load_tensor(f"{base}.trellis", device), rot["suh"], rot["svh"],
-                                          Codebook.MCG)
+                for records in ranks:
+                    record = records[(e, role)]
+                    t = {f: ckpt.load_tensor(record.tensors[f].name, device) for f in ("trellis", "suh", "svh")}
+                    w = dequantize_weight(t["trellis"], t["suh"], t["svh"], record.codebook)
                     parts.append(w.T)  # [out, in] of this rank's slice
-                yield f"{prefix}.{e}.{proj}.weight", torch.cat(parts, dim=1 if proj == "down_proj" else 0)
+                yield f"{prefix}.{e}.{proj}.weight", torch.cat(parts, dim=1 if role == "w2" else 0)
 
 
 def _is_rank_sliced_tensor(name: str) -> bool:
@@ -100,7 +97,7 @@ def dequantize_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     keys = list(ckpt.modules)
     meta_shapes = meta_model_shapes(ckpt.config)
-    rank_sliced = "hybrid_tr3_tail" in ckpt.config
+    rank_sliced = claims(ckpt.config)
     plain = [n for n in ckpt.plain_tensor_names() if not (rank_sliced and _is_rank_sliced_tensor(n))]
     items = [("exl3", k) for k in keys] + [("plain", n) for n in plain] + ([("rank_sliced", "")] if rank_sliced
                                                                           else [])
