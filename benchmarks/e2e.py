@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import header, write_results  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
+from sglang_exl3.synth.exl3_writer import SHAPES  # noqa: E402
 
 DECODE_BATCHES = (1, 8, 64)
 DECODE_TOKENS = 128
@@ -73,7 +74,7 @@ def main() -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--workdir", default="/tmp/e2e")
     ap.add_argument("--skip-bf16", action="store_true")
-    ap.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"],
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
                     help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
                          "disk that holds it)")
     args = ap.parse_args()
@@ -85,7 +86,7 @@ def main() -> int:
     head = header(sys.argv)
     head.update(backend=args.backend, decode_tokens=DECODE_TOKENS, prefill_len=PREFILL_LEN,
                 prefill_batch=PREFILL_BATCH, shape=f"{args.shape} (random trellis)")
-    arch = {"llama3-8b": "llama", "qwen3-30b-a3b": "qwen3_moe"}[args.shape]
+    arch = SHAPES[args.shape][0]
     codebook = "mcg" if arch == "qwen3_moe" else "mul1"
     rows, py = [], sys.executable
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):

@@ -17,12 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_exl3.format.constants import ALIGN, SIDECAR_NAME
-from sglang_exl3.format.rank_sliced import SHARED_H_SCHEMA, TENSOR_SCHEMA
+from sglang_exl3.format.rank_sliced import H_SIDE, SHARED_H_SCHEMA, TENSOR_SCHEMA
 from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-H_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+PROJECTIONS = tuple(H_SIDE)  # gate_proj, up_proj, down_proj
 
 
 def slice_expert(tensors: dict[str, torch.Tensor], proj: str, rank: int, tp: int) -> dict[str, torch.Tensor]:
