@@ -77,6 +77,24 @@ def graph_us(fn, rotations: int = 1, calls: int = 24, replays: int = 7) -> float
     return times[len(times) // 2]
 
 
+def eager_us(fn, rotations: int = 1, calls: int = 50) -> float:
+    """Median time of one fn(i) call in microseconds, timed eagerly call by call (CUDA events): for code that
+    cannot be captured, measured the way it runs."""
+    for i in range(max(rotations, 3)):
+        fn(i % rotations)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(calls):
+        start.record()
+        fn(i % rotations)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def write_results(name: str, head: dict, rows: list[dict], columns: list[str]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     gpu = head["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()

@@ -3,30 +3,94 @@ capturable forward: routed groups below DENSE_MIN_ROWS rows, dense slab + fused_
 `fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
 routing rotated across calls).
 
-  python benchmarks/moe.py [--bits 2,3,4,5] [--ms 1,4,16,64,512,4096]
+  python benchmarks/moe.py [--bits 2,3,4,5] [--ms 1,4,16,64,512,4096] [--ckpt-dir DIR]
 
-Writes benchmarks/results/moe-<gpu>.{json,md}. The exllamav3 column needs its extension (not built here).
+With --ckpt-dir, each bitrate's experts come from a one-layer checkpoint of this shape written there
+(`write-fixture --arch qwen3_moe --shape qwen3-30b-a3b --layers 1 --codebook mcg`), and the exllamav3 column is
+exllamav3's own `BlockSparseMLP` loaded from that checkpoint by exllamav3 (its router replaced by the benchmark's
+routing, so both sides run the same experts on the same weights; the outputs are compared). exllamav3 is timed
+under CUDA-graph replay where it captures, else eagerly (the row says which). Without it, random experts and no
+exllamav3 column.
+
+Writes benchmarks/results/moe-<gpu>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import graph_us, header, write_results  # noqa: E402
+from benchmarks.common import eager_us, graph_us, header, write_results  # noqa: E402
 from sglang_exl3.format import Codebook  # noqa: E402
 
 HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
-COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16"]
+COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
+PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def expert_layer(bits: int):
-    """Random EXL3 experts as the MoE layer holds them on our kernels (stacks, banks, slab), the layer's method,
+def random_expert_tensors(bits: int):
+    """(trellis, suh, svh, codebook) per expert and role, random (valid EXL3: any bit pattern decodes)."""
+    roles = {"w1": (HIDDEN, INTER), "w3": (HIDDEN, INTER), "w2": (INTER, HIDDEN)}
+    return [{role: (torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), dtype=torch.int16),
+                    (torch.randn(k) * 0.05).half(), (torch.randn(n) * 0.05).half(), Codebook.MCG)
+             for role, (k, n) in roles.items()} for _ in range(EXPERTS)]
+
+
+def checkpoint_expert_tensors(ckpt: Path):
+    """The same, read from layer 0 of a checkpoint (the weights exllamav3 loads for its column)."""
+    from safetensors import safe_open
+
+    files = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            files.update(dict.fromkeys(h.keys(), f))
+
+    def get(name):
+        with safe_open(files[name], "pt") as h:
+            return h.get_tensor(name)
+
+    out = []
+    for e in range(EXPERTS):
+        roles = {}
+        for role, proj in PROJ.items():
+            p = f"model.layers.0.mlp.experts.{e}.{proj}"
+            cb = Codebook.MCG if f"{p}.mcg" in files else Codebook.MUL1 if f"{p}.mul1" in files else Codebook.INST3
+            roles[role] = (get(f"{p}.trellis"), get(f"{p}.suh").half(), get(f"{p}.svh").half(), cb)
+        out.append(roles)
+    return out
+
+
+def write_layer_checkpoint(path: Path, bits: int) -> Path:
+    """A one-layer Qwen3-30B-A3B-shaped EXL3 checkpoint from the product's fixture writer."""
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "sglang_exl3", "write-fixture", str(path), "--arch", "qwen3_moe",
+                        "--shape", "qwen3-30b-a3b", "--layers", "1", "--codebook", "mcg", "--bits", str(bits),
+                        "--seed", str(bits)], check=True)
+    return path
+
+
+def exllamav3_moe(ckpt: Path):
+    """exllamav3's own MoE module for layer 0 of the checkpoint, loaded by exllamav3, and a holder whose
+    routing replaces its router's."""
+    from exllamav3 import Config, Model
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    model = Model.from_config(Config.from_directory(str(ckpt)))
+    model.load()
+    module = next(m for m in model if isinstance(m, BlockSparseMLP))
+    current = [None]
+    module.routing_fn = lambda bsz, cfg, z, params: current[0]
+    return model, module, current
+
+
+def expert_layer(tensors):
+    """EXL3 experts as the MoE layer holds them on our kernels (stacks, banks, slab), the layer's method,
     and the bf16 dequantized twins in fused_experts' layout (decoded by the product's own dense path)."""
     from types import SimpleNamespace
 
@@ -38,13 +102,9 @@ def expert_layer(bits: int):
     from sglang_exl3.layers.moe import Exl3MoEMethod
     from sglang_exl3.layers.moe_kernels import build_tiers
 
-    roles = {"w1": (HIDDEN, INTER), "w3": (HIDDEN, INTER), "w2": (INTER, HIDDEN)}
-    experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16),
-                                                                            dtype=torch.int16, device="cuda")),
-                                suh=(torch.randn(k, device="cuda") * 0.05).half(),
-                                svh=(torch.randn(n, device="cuda") * 0.05).half(), codebook=Codebook.MCG,
-                                out_features=n, kernel_layout=True)
-                for role, (k, n) in roles.items()} for _ in range(EXPERTS)]
+    experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(trellis.cuda()), suh=suh.cuda(), svh=svh.cuda(),
+                                codebook=cb, out_features=svh.numel(), kernel_layout=True)
+                for role, (trellis, suh, svh, cb) in roles.items()} for roles in tensors]
     layer = SimpleNamespace(exl3_experts=experts, intermediate_size_per_partition=INTER, hidden_size=HIDDEN,
                             exl3_backend=int(Backend.CUDA))
     layer.exl3_tiers = build_tiers(experts, Backend.CUDA)
@@ -69,14 +129,26 @@ def routing(m: int, gen: torch.Generator):
     return (w / w.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda(), logits.cuda()
 
 
-def bench_bits(bits: int, ms: list[int]) -> list[dict]:
+def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None) -> list[dict]:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
-    layer, method, w13, w2 = expert_layer(bits)
+    theirs = None
+    if ckpt_dir is None:
+        tensors = random_expert_tensors(bits)
+    else:
+        ckpt = write_layer_checkpoint(ckpt_dir / f"qwen3-30b-a3b-1layer-{bits}bpw", bits)
+        tensors = checkpoint_expert_tensors(ckpt)
+        try:
+            theirs = exllamav3_moe(ckpt)
+        except Exception as e:  # noqa: BLE001 - the column stays empty, with the reason printed and recorded
+            print(f"exllamav3 column skipped: {type(e).__name__}: {e}", file=sys.stderr)
+            theirs = f"{type(e).__name__}: {e}"
+    layer, method, w13, w2 = expert_layer(tensors)
+    del tensors
     cfg = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                           intermediate_size_per_partition=INTER, top_k=TOPK, params_dtype=torch.bfloat16,
                           inplace=False)
@@ -95,26 +167,61 @@ def bench_bits(bits: int, ms: list[int]) -> list[dict]:
             return fused_experts(xs[i].bfloat16(), w13, w2, StandardTopKOutput(w, ids, logits), cfg)
 
         ref = bf16(0).float()
-        got = ours(0)
+        got = ours(0).float()
         rel = float((got - ref).norm() / ref.norm())
         row = {"m": m, "bits": bits, "rel_err_vs_bf16": rel, "exllamav3_us": None,
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+        if isinstance(theirs, str):
+            row["exllamav3_error"] = theirs
+        elif theirs is not None:
+            row.update(time_exllamav3(theirs, xs, routes, got))
+            if row["exllamav3_us"]:
+                row["ours_vs_exllamav3"] = row["exllamav3_us"] / row["ours_us"]
         print("ROW", row, flush=True)
         rows.append(row)
     return rows
+
+
+def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
+    """exllamav3's MoE forward on the same inputs and routing: its time, how it was timed, and how far its output
+    is from ours (same weights, so this checks both sides)."""
+    _, module, current = theirs
+    picks = [(ids.long(), w.half()) for w, ids, _ in routes]
+
+    def run(i):
+        current[0] = picks[i]
+        return module.forward(xs[i].view(1, -1, HIDDEN), {})
+
+    out = {}
+    try:
+        ref = run(0).float().view(-1, HIDDEN)
+        out["rel_err_vs_exllamav3"] = float((ours_out - ref).norm() / ref.norm())
+        try:
+            out["exllamav3_us"], out["exllamav3_timing"] = graph_us(run, ROUTINGS, calls=ROUTINGS), "graph"
+        except Exception as e:  # noqa: BLE001 - not capturable at this m: timed as it runs, eagerly
+            print(f"  exllamav3 capture failed ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
+            out["exllamav3_us"], out["exllamav3_timing"] = eager_us(run, ROUTINGS), "eager"
+    except Exception as e:  # noqa: BLE001
+        print(f"  exllamav3 failed: {type(e).__name__}: {e}", file=sys.stderr)
+        out["exllamav3_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--ms", default="1,4,16,64,512,4096")
+    ap.add_argument("--ckpt-dir", type=Path, default=None,
+                    help="write/read one-layer checkpoints here and add exllamav3's column")
     args = ap.parse_args()
     rows = []
     for bits in (int(b) for b in args.bits.split(",")):
-        rows += bench_bits(bits, [int(m) for m in args.ms.split(",")])
+        rows += bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir)
         torch.cuda.empty_cache()
-    write_results("moe", header(sys.argv), rows, COLUMNS + ["rel_err_vs_bf16"])
+    write_results("moe", header(sys.argv), rows,
+                  COLUMNS + ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"])
     return 0
 
 

@@ -42,10 +42,12 @@ def _write_fixture(args: argparse.Namespace) -> int:
         want = SHAPES[args.shape][0]
         raise SystemExit(f"--shape {args.shape} is a {want} shape; pass --arch {want}")
     dims = SHAPES[args.shape][1] if args.shape != "tiny" else ModelDims()
-    if args.kv_heads:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if args.kv_heads:
         dims = replace(dims, num_key_value_heads=args.kv_heads)
+    if args.layers:
+        dims = replace(dims, num_hidden_layers=args.layers)
     if args.rank_sliced_tp:
         from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
 
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--kv-heads", type=int, default=0, help="override the shape's KV-head count (1: tp > KV heads)")
+    w.add_argument("--layers", type=int, default=0, help="override the shape's layer count (1: a one-layer model "
+                   "for per-layer benchmarks)")
     w.add_argument("--rank-sliced-tp", type=int, default=0,
                    help="write routed experts in the reference's rank-sliced layout (hybrid_tr3_tail) for this TP")
     w.add_argument("--rotation-layout", choices=["per_expert_v1", "shared_h_v1"], default="per_expert_v1")
