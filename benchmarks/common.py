@@ -27,6 +27,17 @@ def header(command: list[str]) -> dict:
     return out
 
 
+def publish_sglang_args() -> None:
+    """Publish default server args, as a server does before any layer runs: SGLang's kernels outside a server
+    (fused_experts reads its `exec` config namespace) fail without them. The tiny EXL3 fixture is the model."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    load_plugins()
+    tiny = Path(__file__).resolve().parents[1] / "tests/data/exllamav3/tiny-llama-mul1-4bpw"
+    set_global_server_args_for_scheduler(ServerArgs(model_path=str(tiny)))
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import eager_us, graph_us, header, write_results  # noqa: E402
+from benchmarks.common import eager_us, graph_us, header, publish_sglang_args, write_results  # noqa: E402
 from sglang_exl3.format import Codebook  # noqa: E402
 
 HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
+EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -129,7 +130,7 @@ def routing(m: int, gen: torch.Generator):
     return (w / w.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda(), logits.cuda()
 
 
-def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None) -> list[dict]:
+def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict], flush) -> None:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -152,7 +153,6 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None) -> list[dict]:
     cfg = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                           intermediate_size_per_partition=INTER, top_k=TOPK, params_dtype=torch.bfloat16,
                           inplace=False)
-    rows = []
     for m in ms:
         gen = torch.Generator().manual_seed(m)
         xs = [torch.randn(m, HIDDEN, generator=gen).half().cuda() for _ in range(ROUTINGS)]
@@ -180,7 +180,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None) -> list[dict]:
                 row["ours_vs_exllamav3"] = row["exllamav3_us"] / row["ours_us"]
         print("ROW", row, flush=True)
         rows.append(row)
-    return rows
+        flush()  # a run cut short still leaves every finished row
 
 
 def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
@@ -197,12 +197,15 @@ def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
     try:
         ref = run(0).float().view(-1, HIDDEN)
         out["rel_err_vs_exllamav3"] = float((ours_out - ref).norm() / ref.norm())
-        try:
-            out["exllamav3_us"], out["exllamav3_timing"] = graph_us(run, ROUTINGS, calls=ROUTINGS), "graph"
-        except Exception as e:  # noqa: BLE001 - not capturable at this m: timed as it runs, eagerly
-            print(f"  exllamav3 capture failed ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
-            torch.cuda.synchronize()
-            out["exllamav3_us"], out["exllamav3_timing"] = eager_us(run, ROUTINGS), "eager"
+        out["exllamav3_us"], out["exllamav3_timing"] = None, "eager"
+        if xs[0].shape[0] <= EXLLAMAV3_GRAPH_MAX_M:
+            try:
+                out["exllamav3_us"], out["exllamav3_timing"] = graph_us(run, ROUTINGS, calls=ROUTINGS), "graph"
+            except Exception as e:  # noqa: BLE001 - not capturable: timed as it runs, eagerly
+                print(f"  exllamav3 capture failed ({type(e).__name__}: {e}); timing eagerly", file=sys.stderr)
+                torch.cuda.synchronize()
+        if out["exllamav3_us"] is None:
+            out["exllamav3_us"] = eager_us(run, ROUTINGS)
     except Exception as e:  # noqa: BLE001
         print(f"  exllamav3 failed: {type(e).__name__}: {e}", file=sys.stderr)
         out["exllamav3_error"] = f"{type(e).__name__}: {e}"
@@ -216,12 +219,13 @@ def main() -> int:
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="write/read one-layer checkpoints here and add exllamav3's column")
     args = ap.parse_args()
-    rows = []
+    publish_sglang_args()
+    rows, head = [], header(sys.argv)
+    columns = COLUMNS + ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"]
     for bits in (int(b) for b in args.bits.split(",")):
-        rows += bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir)
+        bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
+                   lambda: write_results("moe", head, rows, columns))
         torch.cuda.empty_cache()
-    write_results("moe", header(sys.argv), rows,
-                  COLUMNS + ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"])
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,14 @@ DEFAULT_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch"
 
 def launch(model_path: str | Path, port: int, extra: list[str] | tuple[str, ...] = (),
            env: dict[str, str] | None = None, log_path: str | Path | None = None) -> subprocess.Popen:
+    """Start a server in its own session. A port that is already taken is refused here: otherwise a server left
+    running by an earlier run answers the health check and is mistaken for the new one."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} is already in use ({e.strerror}): a server left from an earlier run? "
+                               "Stop it or pick another port") from None
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), *DEFAULT_ARGS, *extra]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process

@@ -20,6 +20,14 @@ pytest.importorskip("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe")
 HIDDEN, INTER, EXPERTS, TOPK = 256, 256, 6, 2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _server_args():
+    """SGLang's fused_experts reads the published server config, as inside a server."""
+    from benchmarks.common import publish_sglang_args
+
+    publish_sglang_args()
+
+
 def _layer(bits_per_expert=(4,) * EXPERTS):
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.kernels.cuda_trellis import prepare
