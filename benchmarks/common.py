@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import socket
 import sys
 from pathlib import Path
 
@@ -28,14 +29,22 @@ def header(command: list[str]) -> dict:
 
 
 def publish_sglang_args() -> None:
-    """Publish default server args, as a server does before any layer runs: SGLang's kernels outside a server
-    (fused_experts reads its `exec` config namespace) fail without them. The tiny EXL3 fixture is the model."""
+    """Publish default server args and a one-rank TP group, as a server does before any layer runs: SGLang's
+    kernels outside a server fail without them (fused_experts reads its `exec` config namespace and asks for the
+    TP group). The tiny EXL3 fixture is the model. Once per process."""
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     load_plugins()
     tiny = Path(__file__).resolve().parents[1] / "tests/data/exllamav3/tiny-llama-mul1-4bpw"
     set_global_server_args_for_scheduler(ServerArgs(model_path=str(tiny)))
+    with socket.socket() as probe:  # a free port for the one-rank process group fused_experts asks for
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -106,10 +115,14 @@ def eager_us(fn, rotations: int = 1, calls: int = 50) -> float:
     return times[len(times) // 2]
 
 
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', the suffix of every results file."""
+    return name.replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
 def write_results(name: str, head: dict, rows: list[dict], columns: list[str]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    gpu = head["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = RESULTS / f"{name}-{gpu}.json"
+    path = RESULTS / f"{name}-{gpu_slug(head['gpu'])}.json"
     path.write_text(json.dumps({"header": head, "rows": rows}, indent=1))
     lines = [f"# {name} on {head['gpu']}", "", f"`{head['command']}` — torch {head['torch']}, "
              f"triton {head['triton']}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -12,12 +12,14 @@ routing, so both sides run the same experts on the same weights; the outputs are
 under CUDA-graph replay where it captures, else eagerly (the row says which). Without it, random experts and no
 exllamav3 column.
 
-Writes benchmarks/results/moe-<gpu>.{json,md}.
+Writes benchmarks/results/moe-<gpu>.{json,md,png}. `--merge A.json B.json ...` joins the rows of separate runs
+(e.g. one per bitrate) into that one table and plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +27,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import eager_us, graph_us, header, publish_sglang_args, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    eager_us,
+    gpu_slug,
+    graph_us,
+    header,
+    publish_sglang_args,
+    write_results,
+)
 from sglang_exl3.format import Codebook  # noqa: E402
 
 HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
+EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -212,20 +223,61 @@ def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
     return out
 
 
+def plot(rows: list[dict], path: Path, gpu: str) -> None:
+    """µs per layer call against rows m, one panel per bitrate: ours, exllamav3, bf16 fused_experts."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    bits = sorted({r["bits"] for r in rows})
+    fig, axes = plt.subplots(1, len(bits), figsize=(3.2 * len(bits), 3.4), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], bits, strict=True):
+        rs = sorted((r for r in rows if r["bits"] == b), key=lambda r: r["m"])
+        ms = [r["m"] for r in rs]
+        for key, style, label in (("ours_us", "o-", "ours"), ("exllamav3_us", "s--", "exllamav3"),
+                                  ("bf16_us", "k:", "bf16 fused_experts")):
+            ax.plot(ms, [r.get(key) for r in rs], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows m")
+        ax.set_title(f"{b} bits", fontsize=9)
+    axes[0][0].set_ylabel("µs per MoE layer call")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Qwen3-30B-A3B MoE layer (2048, 128 x 768, top-8), {gpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def merge(paths: list[Path]) -> int:
+    """One table and plot from several runs' JSON (same GPU)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    head = dict(runs[0]["header"], command=" ; ".join(r["header"]["command"] for r in runs))
+    rows = sorted((row for r in runs for row in r["rows"]), key=lambda r: (r["bits"], r["m"]))
+    out = write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS)
+    plot(rows, out.with_suffix(".png"), head["gpu"])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--ms", default="1,4,16,64,512,4096")
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="write/read one-layer checkpoints here and add exllamav3's column")
+    ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge)
     publish_sglang_args()
     rows, head = [], header(sys.argv)
-    columns = COLUMNS + ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"]
     for bits in (int(b) for b in args.bits.split(",")):
         bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
-                   lambda: write_results("moe", head, rows, columns))
+                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS))
         torch.cuda.empty_cache()
+    plot(rows, RESULTS / f"moe-{gpu_slug(head['gpu'])}.png", head["gpu"])
     return 0
 
 
