@@ -150,18 +150,60 @@ def test_unwritable_cache_is_a_clear_unavailable_error(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypatch, dtype):
     """The one-launch table builder's per-source code (run over host memory) writes exactly the rows of the torch
-    reference builder, for two banks of different widths and a top-3 routing."""
+    reference builder, for two banks of different widths, a top-3 routing as SGLang hands it (int32 too) and an
+    id of -1 (another EP rank's expert: reads expert 0)."""
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
     banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(7)], nt, sp),
                                n_tiles=nt, k_tiles=64, splits=sp, k2=6, codebook=2)
              for b, (nt, sp) in enumerate(((48, 8), (128, 3)))]
-    ids = torch.tensor([6, 0, 3, 3, 1, 5, 2, 2, 4], dtype=torch.int64)
+    ids = torch.tensor([6, 0, 3, 3, 1, 5, 2, -1, 4], dtype=dtype)
     want = ck.routed_table(banks, ids, 3)
     got = ck.routed_table(banks, ids, 3, ck.routed_table_builder(on_host=True))
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
     assert want[0][:, 4].tolist() == [p // 3 for p in range(9)] * 2
+    assert want[0][7, 0] == 100 * 0 + 0 and want[0][9 + 7, 0] == 100 * 1 + 0  # -1 reads each bank's expert 0
+    assert want[0][9, 0] == 100 + 6  # the second bank's block follows the first's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gelu", [False, True])
+def test_act_mul_kernel_code_equals_torch(compiled, monkeypatch, gelu):
+    """The MoE activation launch (silu or gelu-tanh of gate, times up, fp32 math, fp16 out) over host memory
+    against torch's own functions on fresh random values: within one fp16 rounding (plus, for gelu's far negative
+    tail, where 1 + tanh cancels, 1e-5 of |up|: the two tanh implementations differ there), almost always
+    identical."""
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
+    gen = torch.Generator().manual_seed(3 + gelu)
+    gate, up = ((torch.randn(37, 768, generator=gen) * 3).half() for _ in range(2))
+    act = torch.nn.functional.gelu(gate.float(), approximate="tanh") if gelu else torch.nn.functional.silu(gate.float())
+    want = (act * up.float()).half()
+    got = ck.act_mul(gate, up, gelu)
+    ulp = want.float().abs().clamp(min=2 ** -14) * 2 ** -10
+    assert ((got.float() - want.float()).abs() <= ulp + 1e-5 * up.float().abs()).all()
+    assert (got == want).float().mean() > 0.99
+    with pytest.raises(ValueError, match="two fp16 tensors"):
+        ck.act_mul(gate.float(), up)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_moe_combine_kernel_code_equals_torch(compiled, monkeypatch, dtype):
+    """The weighted top-k combine over host memory against the torch reference, with ids of -1 skipped."""
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
+    gen = torch.Generator().manual_seed(9)
+    tokens, topk, n = 5, 3, 256
+    y = torch.randn(tokens * topk, n, generator=gen).half()
+    w = torch.rand(tokens, topk, generator=gen)
+    ids = torch.randint(0, 8, (tokens, topk), generator=gen, dtype=dtype)
+    ids[1, 2] = ids[4, 0] = -1
+    want = (y.float().view(tokens, topk, n) * (w * (ids >= 0)).unsqueeze(-1)).sum(dim=1)
+    got = ck.moe_combine(y, w.reshape(-1), ids.reshape(-1), topk)
+    assert got.shape == (tokens, n) and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_combine"):
+        ck.moe_combine(y, w.reshape(-1).half(), ids.reshape(-1), topk)
 
 
 def test_a_failed_first_use_build_is_not_retried(monkeypatch, tmp_path):

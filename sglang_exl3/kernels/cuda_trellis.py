@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 3
+ABI_VERSION = 4
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -152,7 +152,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
     lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
     ll = ctypes.c_longlong
-    lib.exl3_routed_table.argtypes = [p, p, i, i, ll, ll, ll, ll, ll, ll, p, i, p]
+    lib.exl3_routed_tables.argtypes = [p, i, p, i, i, i, p, i, p]
+    lib.exl3_act_mul.argtypes = [p, p, p, ll, i, i, p]
+    lib.exl3_moe_combine.argtypes = [p, p, p, i, p, i, i, i, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -434,50 +436,102 @@ def bank_rows(pointers: list[tuple[int, int, int]], n_tiles: int, splits: int) -
 def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
                  build=None) -> tuple[torch.Tensor, int, int, int, list[int]]:
     """GroupSource rows for every (bank, pair): bank b's expert ids[p] reading x row p // x_row_div, numbered bank
-    by bank, pair by pair. `build(bank, ids, x_row_div, item0, col0, base0, out)` fills one bank's block (default:
-    device ops, capturable; `routed_table_builder` is the one-launch kernel). Returns the table, total work items,
-    output columns, partial elements and each bank's output width."""
+    by bank, pair by pair; an id below 0 (another EP rank's expert) reads expert 0, to be weighed 0 by the caller.
+    `build(banks, ids, x_row_div, offsets, table)` fills the table (default: the torch reference, capturable;
+    `routed_table_builder` is the library's one launch for all banks). Returns the table, total work items, output
+    columns, partial elements and each bank's output width."""
     pairs = ids.shape[0]
     table = torch.empty(len(banks) * pairs, 8, dtype=torch.int64, device=ids.device)
-    item, col, base, widths = 0, 0, 0, []
-    for i, b in enumerate(banks):
+    item, col, base, widths, offsets = 0, 0, 0, [], []
+    for b in banks:
         n = b.n_tiles * 16
-        (build or _torch_routed_rows)(b, ids, x_row_div, item, col, base, table[i * pairs:(i + 1) * pairs])
+        offsets.append((item, col, base))
         item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
         widths.append(n)
+    (build or _torch_routed_rows)(banks, ids, x_row_div, offsets, table)
     return table, item, col, base, widths
 
 
-def _torch_routed_rows(bank: Exl3ExpertBank, ids: torch.Tensor, x_row_div: int, item0: int, col0: int, base0: int,
-                       out: torch.Tensor) -> None:
-    """The reference builder (torch ops): what the kernel's routed_source computes per pair."""
-    arange = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64)
+def _per_pair(bank: Exl3ExpertBank) -> tuple[int, int, int]:
+    """Work items, output columns and partial elements of one source of the bank."""
     n = bank.n_tiles * 16
-    out[:, :4] = bank.rows.index_select(0, ids)[:, :4]
-    out[:, 4] = arange // x_row_div
-    out[:, 5] = item0 + arange * (bank.n_tiles * bank.splits)
-    out[:, 6] = col0 + arange * n
-    out[:, 7] = base0 + arange * (bank.splits * n)
+    return bank.n_tiles * bank.splits, n, bank.splits * n
+
+
+def _torch_routed_rows(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
+                       offsets: list[tuple[int, int, int]], table: torch.Tensor) -> None:
+    """The reference builder (torch ops): what the kernel's routed_source computes per pair."""
+    pairs = ids.shape[0]
+    arange = torch.arange(pairs, device=ids.device, dtype=torch.int64)
+    experts = ids.to(torch.int64).clamp(min=0)
+    for i, (b, (item0, col0, base0)) in enumerate(zip(banks, offsets, strict=True)):
+        items, cols, part = _per_pair(b)
+        out = table[i * pairs:(i + 1) * pairs]
+        out[:, :4] = b.rows.index_select(0, experts)[:, :4]
+        out[:, 4] = arange // x_row_div
+        out[:, 5] = item0 + arange * items
+        out[:, 6] = col0 + arange * cols
+        out[:, 7] = base0 + arange * part
+
+
+def _ids_bytes(ids: torch.Tensor) -> int:
+    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
+        raise ValueError(f"routing ids must be contiguous int32 or int64, got {ids.dtype}")
+    return ids.element_size()
 
 
 def routed_table_builder(on_host: bool = False):
-    """The library's one-launch builder (`on_host`: the same code over host memory, for tests without a GPU)."""
+    """The library's one-launch builder for all banks (`on_host`: the same code over host memory, for tests without
+    a GPU)."""
     lib = load_library()
 
-    def build(bank, ids, x_row_div, item0, col0, base0, out):
-        n = bank.n_tiles * 16
+    def build(banks, ids, x_row_div, offsets, table):
+        params = []
+        for b, (item0, col0, base0) in zip(banks, offsets, strict=True):
+            params += [b.rows.data_ptr(), item0, col0, base0, *_per_pair(b)]
+        host = (ctypes.c_longlong * len(params))(*params)
         stream = None if on_host else _stream(ids)
-        _check(lib.exl3_routed_table(bank.rows.data_ptr(), ids.data_ptr(), ids.shape[0], x_row_div, item0, col0, base0,
-                                     bank.n_tiles * bank.splits, n, bank.splits * n, out.data_ptr(), int(on_host),
-                                     stream), "routed table")
+        _check(lib.exl3_routed_tables(host, len(banks), ids.data_ptr(), _ids_bytes(ids), ids.shape[0], x_row_div,
+                                      table.data_ptr(), int(on_host), stream), "routed tables")
     return build
+
+
+def act_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """fp16 act(gate) * up in one launch (silu, or gelu's tanh approximation), fp32 math; CPU tensors run the same
+    code on the host."""
+    if gate.dtype != torch.float16 or up.dtype != torch.float16 or gate.shape != up.shape:
+        raise ValueError(f"act_mul takes two fp16 tensors of one shape, got {gate.dtype} {tuple(gate.shape)} and "
+                         f"{up.dtype} {tuple(up.shape)}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    on_host = not gate.is_cuda
+    _check(load_library().exl3_act_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), int(gelu),
+                                       int(on_host), None if on_host else _stream(gate)), "act mul")
+    return out
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+    """fp32 [tokens, N]: each token's top-k rows of fp16 y [tokens * top-k, N] summed with fp32 routing weights
+    [tokens * top-k], in top-k order; pairs whose id is below 0 are skipped. One launch."""
+    pairs, n = y.shape
+    if y.dtype != torch.float16 or weights.dtype != torch.float32 or weights.numel() != pairs or \
+            ids.numel() != pairs or pairs % topk:
+        raise ValueError(f"moe_combine: y fp16 [P, N], fp32 weights and ids of P = tokens * {topk} entries; got "
+                         f"{y.dtype} {tuple(y.shape)}, {weights.dtype} {weights.numel()}, {ids.numel()} ids")
+    y, weights = y.contiguous(), weights.contiguous()
+    out = torch.empty(pairs // topk, n, dtype=torch.float32, device=y.device)
+    on_host = not y.is_cuda
+    _check(load_library().exl3_moe_combine(y.data_ptr(), weights.data_ptr(), ids.data_ptr(), _ids_bytes(ids),
+                                           out.data_ptr(), pairs // topk, topk, n, int(on_host),
+                                           None if on_host else _stream(y)), "moe combine")
+    return out
 
 
 def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
                   x_row_div: int = 1) -> list[torch.Tensor]:
-    """For every pair p: bank_b's expert ids[p] applied to x[p // x_row_div], for each bank b: one table launch per
-    bank, then three launches in all. x fp16 [R, K]; ids int64 [P] on the device (valid local experts). Returns fp16
-    [P, N_b] per bank."""
+    """For every pair p: bank_b's expert ids[p] applied to x[p // x_row_div], for each bank b: one table launch for
+    all banks, then three launches. x fp16 [R, K]; ids int32/int64 [P] on the device (local experts; below 0: read
+    expert 0, for the caller to weigh 0). Returns fp16 [P, N_b] per bank."""
     first = banks[0]
     for b in banks:
         if (b.k_tiles, b.k2, b.codebook) != (first.k_tiles, first.k2, first.codebook):

@@ -99,19 +99,17 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for fp16 x [m, K]; only routed experts are read (ids < 0: another expert-parallel rank's, weight 0). The
     rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, routed_linear
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, act_mul, moe_combine, routed_linear
 
     m, topk = topk_ids.shape
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = ids >= 0
-    ids = ids.clamp(min=0)
+    ids = topk_ids.reshape(-1)  # as routed (int32 from SGLang): the kernels read it, and skip ids below 0
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
     gate, up = routed_linear(x, [Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
                                  Exl3ExpertBank.from_meta(up_rows, gate_up_meta)], ids, x_row_div=topk)
-    act = torch.nn.functional.gelu(gate.float(), approximate="tanh") if gelu else torch.nn.functional.silu(gate.float())
-    hidden = (act * up.float()).to(torch.float16)
-    (y,) = routed_linear(hidden, [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids)
-    weights = (topk_weights.float().reshape(-1) * valid).reshape(m, topk, 1)
-    return (y.float().reshape(m, topk, -1) * weights).sum(dim=1)
+    (y,) = routed_linear(act_mul(gate, up, gelu), [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids)
+    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk)
 
 
 @exl3_moe_routed.register_fake

@@ -258,10 +258,10 @@ def test_routed_linear_equals_each_pair_run_alone():
             assert torch.equal(got[p:p + 1].view(torch.int16), alone.view(torch.int16)), (p, role)
 
 
-@pytest.mark.parametrize("m, topk", [(1, 2), (5, 3), (33, 2)])
-def test_moe_routed_op_matches_reference_and_captures(m, topk):
-    """torch.ops.exl3.moe_routed against the codec: only routed experts, ids of -1 (another EP rank) weigh 0; then
-    the same op replayed from a CUDA graph on fresh routing."""
+@pytest.mark.parametrize("m, topk, id_dtype", [(1, 2, torch.int32), (5, 3, torch.int64), (33, 2, torch.int32)])
+def test_moe_routed_op_matches_reference_and_captures(m, topk, id_dtype):
+    """torch.ops.exl3.moe_routed against the codec: only routed experts, ids of -1 (another EP rank) weigh 0, ids as
+    SGLang hands them (int32) or int64; then the same op replayed from a CUDA graph on fresh routing."""
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
     n_exp, hidden, inter = 6, 256, 256
@@ -271,7 +271,7 @@ def test_moe_routed_op_matches_reference_and_captures(m, topk):
 
     def case():
         x = torch.randn(m, hidden, generator=gen).half()
-        ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)])
+        ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(id_dtype)
         ids[0, -1] = -1
         w = torch.rand(m, topk, generator=gen)
         return x, ids, w
@@ -326,3 +326,19 @@ def test_dense_experts_bit_identical_to_the_codec_rotations():
         assert torch.equal(out[e].cpu().view(torch.int16), want.view(torch.int16)), e
         ref = dequantize_weight(t, s, v, Codebook.MUL1).t()
         assert _rel(out[e].cpu(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_moe_glue_kernels_match_their_host_code(gelu):
+    """The activation and combine launches on the device against the same code on the host (itself checked against
+    torch in tests/test_cuda_library.py): the device's expf/tanhf and fused multiply-adds may move a last bit."""
+    gen = torch.Generator().manual_seed(21)
+    gate, up = ((torch.randn(40, 768, generator=gen) * 3).half() for _ in range(2))
+    got, want = ck.act_mul(gate.cuda(), up.cuda(), gelu).cpu().float(), ck.act_mul(gate, up, gelu).float()
+    assert ((got - want).abs() <= want.abs().clamp(min=2 ** -14) * 2 ** -10 + 1e-5 * up.float().abs()).all()
+    assert (got == want).float().mean() > 0.99
+    y = torch.randn(40, 256, generator=gen).half()
+    w = torch.rand(40, generator=gen)
+    ids = torch.randint(-1, 6, (40,), generator=gen, dtype=torch.int32)
+    got = ck.moe_combine(y.cuda(), w.cuda(), ids.cuda(), 8).cpu()
+    assert torch.allclose(got, ck.moe_combine(y, w, ids, 8), rtol=1e-6, atol=1e-6)

@@ -405,30 +405,78 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
                                k_tiles, src.n_tiles, src.splits, item - (int)src.item_begin);
 }
 
-// Routed groups: source p of one bank = (pair p's expert, x row p / x_row_div); sizes per source are uniform
-// within a bank, so the offsets are arithmetic. ids must be valid local experts (-1 mapped to 0 by the caller).
-// Host and device: the host builder below checks it against the Python reference without a GPU.
-__host__ __device__ __forceinline__ void routed_source(const long long* __restrict__ bank_rows,
-                                                       const long long* __restrict__ ids, int p, int x_row_div,
-                                                       long long item0, long long col0, long long base0,
-                                                       long long items, long long cols, long long part,
-                                                       long long* __restrict__ out) {
-  const long long* r = bank_rows + ids[p] * 8;
+// Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
+// within a bank, so the offsets are arithmetic. ids are the routing as it comes (int32 or int64, flattened
+// [tokens * top-k]); an id below 0 (another expert-parallel rank's expert) reads expert 0 and is weighed 0 by the
+// combine. Host and device: the host builder below checks it against the Python reference without a GPU.
+constexpr int kMaxRoutedBanks = 4;
+
+struct RoutedBanks {  // by value: a captured launch keeps its own copy
+  const long long* rows[kMaxRoutedBanks];
+  long long item0[kMaxRoutedBanks], col0[kMaxRoutedBanks], base0[kMaxRoutedBanks];
+  long long items[kMaxRoutedBanks], cols[kMaxRoutedBanks], part[kMaxRoutedBanks];
+};
+
+__host__ __device__ __forceinline__ long long routed_id(const void* ids, int ids_bytes, long long p) {
+  return ids_bytes == 4 ? (long long)((const int*)ids)[p] : ((const long long*)ids)[p];
+}
+
+__host__ __device__ __forceinline__ void routed_source(const RoutedBanks& b, int bank, const void* ids, int ids_bytes,
+                                                       int p, int x_row_div, long long* __restrict__ out) {
+  const long long e = routed_id(ids, ids_bytes, p);
+  const long long* r = b.rows[bank] + (e < 0 ? 0 : e) * 8;
   out[0] = r[0];
   out[1] = r[1];
   out[2] = r[2];
   out[3] = r[3];
   out[4] = p / x_row_div;
-  out[5] = item0 + p * items;
-  out[6] = col0 + p * cols;
-  out[7] = base0 + p * part;
+  out[5] = b.item0[bank] + p * b.items[bank];
+  out[6] = b.col0[bank] + p * b.cols[bank];
+  out[7] = b.base0[bank] + p * b.part[bank];
 }
 
-__global__ void routed_table_kernel(const long long* __restrict__ bank_rows, const long long* __restrict__ ids,
-                                    int pairs, int x_row_div, long long item0, long long col0, long long base0,
-                                    long long items, long long cols, long long part, long long* __restrict__ table) {
+__global__ void routed_tables_kernel(RoutedBanks b, const void* ids, int ids_bytes, int pairs, int x_row_div,
+                                     long long* __restrict__ table) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p < pairs) routed_source(bank_rows, ids, p, x_row_div, item0, col0, base0, items, cols, part, table + p * 8);
+  const int bank = blockIdx.y;
+  if (p < pairs) routed_source(b, bank, ids, ids_bytes, p, x_row_div, table + ((long long)bank * pairs + p) * 8);
+}
+
+// MoE glue around the routed GEMMs, one launch each (the torch ops they replace cost a launch apiece: at decode
+// sizes a launch costs more than the work). fp32 math, as the torch reference computes it.
+__host__ __device__ __forceinline__ float moe_act(float g, int gelu) {
+  if (gelu) return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));  // tanh approx.
+  return g / (1.f + expf(-g));                                                                      // silu
+}
+
+__host__ __device__ __forceinline__ void act_mul_one(const half* __restrict__ gate, const half* __restrict__ up,
+                                                     half* __restrict__ out, long long i, int gelu) {
+  out[i] = __float2half_rn(moe_act(__half2float(gate[i]), gelu) * __half2float(up[i]));
+}
+
+__global__ void act_mul_kernel(const half* __restrict__ gate, const half* __restrict__ up, half* __restrict__ out,
+                               long long count, int gelu) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) act_mul_one(gate, up, out, i, gelu);
+}
+
+// out[t, c] = sum over j < top-k, in order, of w[t, j] * y[t * top-k + j, c], skipping ids below 0.
+__host__ __device__ __forceinline__ void combine_one(const half* __restrict__ y, const float* __restrict__ w,
+                                                     const void* ids, int ids_bytes, float* __restrict__ out,
+                                                     int topk, int n, long long i) {
+  const long long t = i / n, c = i % n;
+  float acc = 0.f;
+  for (int j = 0; j < topk; ++j) {
+    const long long p = t * topk + j;
+    if (routed_id(ids, ids_bytes, p) >= 0) acc += w[p] * __half2float(y[p * n + c]);
+  }
+  out[i] = acc;
+}
+
+__global__ void combine_kernel(const half* __restrict__ y, const float* __restrict__ w, const void* ids,
+                               int ids_bytes, float* __restrict__ out, int topk, int n, long long count) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < count) combine_one(y, w, ids, ids_bytes, out, topk, n, i);
 }
 
 // ---- Hadamard-128 rotations (fp32 butterflies in exllamav3's stage order: bit-exact had_r_128) --
@@ -673,23 +721,63 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   return (int)cudaGetLastError();
 }
 
-// One bank's rows of a routed group table, built on the device from the routing in one launch (table: int64
-// [pairs, 8], the bank's block of the group table). `on_host` = 1 runs the same code on host memory (tests).
-int exl3_routed_table(const void* bank_rows, const void* ids, int pairs, int x_row_div, long long item0,
-                      long long col0, long long base0, long long items, long long cols, long long part, void* table,
-                      int on_host, void* stream) {
-  if (pairs < 0 || x_row_div <= 0 || items <= 0 || cols <= 0 || part <= 0) return -3;
+// Every bank's rows of a routed group table in one launch (table: int64 [banks * pairs, 8], bank by bank).
+// `params` is host memory, 7 int64 per bank: rows pointer, item0, col0, base0, items, cols, part. `on_host` = 1
+// runs the same code on host memory (tests).
+int exl3_routed_tables(const long long* params, int banks, const void* ids, int ids_bytes, int pairs, int x_row_div,
+                       void* table, int on_host, void* stream) {
+  if (banks <= 0 || banks > kMaxRoutedBanks || pairs < 0 || x_row_div <= 0 || (ids_bytes != 4 && ids_bytes != 8))
+    return -3;
   if (pairs == 0) return 0;
-  auto rows = (const long long*)bank_rows;
-  auto id = (const long long*)ids;
+  RoutedBanks b{};
+  for (int i = 0; i < banks; ++i) {
+    const long long* q = params + i * 7;
+    if (!q[0] || q[4] <= 0 || q[5] <= 0 || q[6] <= 0) return -3;
+    b.rows[i] = (const long long*)q[0];
+    b.item0[i] = q[1]; b.col0[i] = q[2]; b.base0[i] = q[3]; b.items[i] = q[4]; b.cols[i] = q[5]; b.part[i] = q[6];
+  }
   auto out = (long long*)table;
   if (on_host) {
-    for (int p = 0; p < pairs; ++p) routed_source(rows, id, p, x_row_div, item0, col0, base0, items, cols, part,
-                                                  out + p * 8);
+    for (int i = 0; i < banks; ++i)
+      for (int p = 0; p < pairs; ++p) routed_source(b, i, ids, ids_bytes, p, x_row_div, out + ((long long)i * pairs + p) * 8);
     return 0;
   }
-  routed_table_kernel<<<(pairs + 127) / 128, 128, 0, (cudaStream_t)stream>>>(rows, id, pairs, x_row_div, item0, col0,
-                                                                             base0, items, cols, part, out);
+  const dim3 grid((pairs + 127) / 128, banks);
+  routed_tables_kernel<<<grid, 128, 0, (cudaStream_t)stream>>>(b, ids, ids_bytes, pairs, x_row_div, out);
+  return (int)cudaGetLastError();
+}
+
+// out fp16 [count] = act(gate) * up for fp16 gate, up (silu, or gelu's tanh approximation when `gelu`).
+int exl3_act_mul(const void* gate, const void* up, void* out, long long count, int gelu, int on_host, void* stream) {
+  if (count < 0 || !gate || !up || !out) return -3;
+  if (count == 0) return 0;
+  auto g = (const half*)gate;
+  auto u = (const half*)up;
+  auto o = (half*)out;
+  if (on_host) {
+    for (long long i = 0; i < count; ++i) act_mul_one(g, u, o, i, gelu);
+    return 0;
+  }
+  act_mul_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, u, o, count, gelu);
+  return (int)cudaGetLastError();
+}
+
+// out fp32 [tokens, n] = the routing-weighted sum of each token's top-k rows of y fp16 [tokens * top-k, n];
+// w fp32 [tokens * top-k]; pairs whose id is below 0 are skipped.
+int exl3_moe_combine(const void* y, const void* w, const void* ids, int ids_bytes, void* out, int tokens, int topk,
+                     int n, int on_host, void* stream) {
+  if (tokens < 0 || topk <= 0 || n <= 0 || (ids_bytes != 4 && ids_bytes != 8)) return -3;
+  if (tokens == 0) return 0;
+  const long long count = (long long)tokens * n;
+  auto yy = (const half*)y;
+  auto ww = (const float*)w;
+  auto o = (float*)out;
+  if (on_host) {
+    for (long long i = 0; i < count; ++i) combine_one(yy, ww, ids, ids_bytes, o, topk, n, i);
+    return 0;
+  }
+  combine_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(yy, ww, ids, ids_bytes, o, topk,
+                                                                                     n, count);
   return (int)cudaGetLastError();
 }
 
@@ -710,7 +798,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 3; }
+int exl3_abi_version(void) { return 4; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
