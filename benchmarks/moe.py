@@ -1,5 +1,5 @@
 """EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours (the MoE method's
-capturable forward: routed groups below DENSE_MIN_ROWS rows, dense slab + fused_experts above) vs SGLang's bf16
+capturable forward: routed groups below dense_min_rows rows, dense slab + fused_experts above) vs SGLang's bf16
 `fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
 routing rotated across calls).
 
@@ -42,7 +42,7 @@ HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
-EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing"]
+EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_routed_us", "ours_dense_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -141,12 +141,14 @@ def routing(m: int, gen: torch.Generator):
     return (w / w.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda(), logits.cuda()
 
 
-def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict], flush) -> None:
+def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict], flush,
+               both_paths: bool = False) -> None:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
+    from sglang_exl3.layers.moe_kernels import dense_forward, routed_forward
 
     theirs = None
     if ckpt_dir is None:
@@ -183,6 +185,18 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
         row = {"m": m, "bits": bits, "rel_err_vs_bf16": rel, "exllamav3_us": None,
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+        if both_paths:  # each forward at every m: where the routed/dense crossover really lies
+            def routed(i, xs=xs, routes=routes):
+                w, ids, _ = routes[i]
+                return routed_forward(layer.exl3_tiers, xs[i], w, ids, False)
+
+            def dense(i, xs=xs, routes=routes):
+                w, ids, _ = routes[i]
+                return dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids,
+                                     method.moe_runner_config)
+
+            row["ours_routed_us"] = graph_us(routed, ROUTINGS, calls=ROUTINGS)
+            row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs
         elif theirs is not None:
@@ -268,6 +282,7 @@ def main() -> int:
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="write/read one-layer checkpoints here and add exllamav3's column")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
+    ap.add_argument("--both-paths", action="store_true", help="also time the routed and the dense forward at every m")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge)
@@ -275,7 +290,7 @@ def main() -> int:
     rows, head = [], header(sys.argv)
     for bits in (int(b) for b in args.bits.split(",")):
         bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
-                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS))
+                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS), args.both_paths)
         torch.cuda.empty_cache()
     plot(rows, RESULTS / f"moe-{gpu_slug(head['gpu'])}.png", head["gpu"])
     return 0

@@ -188,24 +188,35 @@ def test_build_tiers_stacks_each_tier_and_needs_our_kernels():
 
 
 def test_moe_forward_choice_by_rows(monkeypatch):
-    """The capturable plans' choice: no tiers (other backends) -> every expert on every row; below DENSE_MIN_ROWS
-    -> routed groups; from it -> the dense slab. Records which forward ran (the forwards themselves need a GPU and
-    are checked against the codec in tests/gpu/test_moe_cuda.py)."""
+    """The capturable plans' choice: no tiers (other backends) -> every expert on every row; below the layer's
+    dense_min_rows -> routed groups; from it -> the dense slab. Records which forward ran (the forwards themselves
+    need a GPU and are checked against the codec in tests/gpu/test_moe_cuda.py)."""
     from types import SimpleNamespace
 
     from sglang_exl3.layers import moe as moe_layer
-    from sglang_exl3.layers.moe_kernels import DENSE_MIN_ROWS
+    from sglang_exl3.layers.moe_kernels import dense_min_rows
 
     ran = []
     monkeypatch.setattr(moe_layer, "routed_forward", lambda *a, **k: ran.append("routed"))
     monkeypatch.setattr(moe_layer, "dense_forward", lambda *a, **k: ran.append("dense"))
     method = moe_layer.Exl3MoEMethod({}, "x.experts")
-    method.moe_runner_config = SimpleNamespace(activation="silu")
+    method.moe_runner_config = SimpleNamespace(activation="silu", top_k=8)
     monkeypatch.setattr(method, "_all_experts", lambda *a: ran.append("all"))
-    layer = SimpleNamespace(exl3_tiers=object(), intermediate_size_per_partition=128, hidden_size=256,
-                            exl3_moe_slab={})
-    for m in (1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 4 * DENSE_MIN_ROWS):
+    layer = SimpleNamespace(exl3_tiers=SimpleNamespace(num_experts=128), intermediate_size_per_partition=128,
+                            hidden_size=256, exl3_moe_slab={})
+    rows = dense_min_rows(128, 8)
+    for m in (1, rows - 1, rows, 4 * rows):
         method._capturable(layer, torch.zeros(m, 256, dtype=torch.float16), None, None)
     layer.exl3_tiers = None
     method._capturable(layer, torch.zeros(1, 256, dtype=torch.float16), None, None)
     assert ran == ["routed", "routed", "dense", "dense", "all"]
+
+
+def test_dense_crossover_scales_with_experts_over_topk():
+    """Measured for Qwen3-30B-A3B (128 experts, top-8): ~600 rows; fewer experts per routed pair cross sooner
+    (Mixtral: 8 experts, top-2), never below the floor."""
+    from sglang_exl3.layers.moe_kernels import MIN_DENSE_ROWS, dense_min_rows
+
+    assert 560 <= dense_min_rows(128, 8) <= 640
+    assert dense_min_rows(8, 2) == 152
+    assert dense_min_rows(1, 2) == MIN_DENSE_ROWS

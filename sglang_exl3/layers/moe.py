@@ -10,11 +10,11 @@ intermediate dimension for MoE tensor parallelism in 128-element units.
 Forward: the model's MoE dispatch plan (`sglang_exl3.runtime.moe_plan`, built once per model scope and
 role after loading, knobs validated then) sends a batch of m rows to the decode plan, the prefill plan (in
 slices of its capacity) or the eager parity path. On our CUDA kernels the decode and prefill plans read only
-the routed experts, and from DENSE_MIN_ROWS rows decode every expert into one fp16 slab for SGLang's Triton
-fused_experts (`layers/moe_kernels.py`; experts of mixed bitrates run tier by tier). Elsewhere (torch/exllamav3
-backends) they run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by its routing weight
-(capturable, E x the dense FLOPs). The parity path runs only the routed experts on their rows (data-dependent
-shapes: eager only, and refused during graph capture).
+the routed experts, and from dense_min_rows(experts, top-k) rows decode every expert into one fp16 slab for
+SGLang's Triton fused_experts (`layers/moe_kernels.py`; experts of mixed bitrates run tier by tier). Elsewhere
+(torch/exllamav3 backends) they run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by
+its routing weight (capturable, E x the dense FLOPs). The parity path runs only the routed experts on their
+rows (data-dependent shapes: eager only, and refused during graph capture).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from sglang_exl3.layers.linear import (
     run_shard,
 )
 from sglang_exl3.layers.moe_kernels import (
-    DENSE_MIN_ROWS,
     ROLES,
     build_tiers,
     dense_forward,
+    dense_min_rows,
     reserve_slab,
     routed_forward,
 )
@@ -184,11 +184,11 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     def _capturable(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
         """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read),
-        or from DENSE_MIN_ROWS rows the dense slab + SGLang's fused_experts; elsewhere every expert on every row."""
+        or from dense_min_rows rows the dense slab + SGLang's fused_experts; elsewhere every expert on every row."""
         tiers = layer.exl3_tiers
         if tiers is None:
             return self._all_experts(layer, x16, topk_weights, topk_ids)
-        if x16.shape[0] >= DENSE_MIN_ROWS:
+        if x16.shape[0] >= dense_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
             return dense_forward(tiers, self._owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
                                  layer.hidden_size, x16, topk_weights, topk_ids, self.moe_runner_config)
         return routed_forward(tiers, x16, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")

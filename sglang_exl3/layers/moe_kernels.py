@@ -5,9 +5,9 @@ bitrates). Per tier and role the experts' weights are stacked into one tensor (e
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
 - routed (few rows): `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair, table
   gathered on the device; pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
-- dense (from DENSE_MIN_ROWS rows): every expert decoded into the model's fp16 slab in fused_experts' layout
-  (five launches per tier and role), tier by tier; ids remapped to slab positions; SGLang's Triton
-  fused_experts groups the tokens by expert.
+- dense (from dense_min_rows(experts, top-k) rows): every expert decoded into the model's fp16 slab in
+  fused_experts' layout (five launches per tier and role), tier by tier; ids remapped to slab positions;
+  SGLang's Triton fused_experts groups the tokens by expert.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ from sglang_exl3.kernels.backends import Backend
 from sglang_exl3.layers.linear import Exl3Shard
 
 ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's shard ids)
-# From this many rows the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
-# pairs. Predicted crossover (Qwen3-30B-A3B layer, 4 bits): pairs re-read an expert per (token, expert) pair,
-# m * top-k * 0.8 MB, against ~4 passes over the fp16 slab, E * 3 MB: m * 8 ~ 128 * 16 -> m ~ 256. To be
-# measured with benchmarks/moe.py.
-DENSE_MIN_ROWS = 256
+# Rows from which the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
+# pairs. Both costs scale with an expert's size, so the crossover is (slab cost per expert / routed cost per
+# (token, expert) pair) x experts / top-k. Measured on the H200, Qwen3-30B-A3B layer (benchmarks/results/
+# moe-h200.md, 2-5 bits alike): the slab costs a flat ~8.9 ms (69 µs per expert), routed pairs 14.6 µs per row of
+# top-8 from m = 16 to 64 (1.83 µs per pair): ratio ~38, crossover ~600 rows. Predicted before measuring: 256.
+SLAB_OVER_PAIR = 38
+MIN_DENSE_ROWS = 32
+
+
+def dense_min_rows(experts: int, topk: int) -> int:
+    """The first row count at which the dense slab is cheaper than routed pairs for this layer."""
+    return max(MIN_DENSE_ROWS, -(-SLAB_OVER_PAIR * experts // max(topk, 1)))
 
 
 @dataclass
@@ -41,6 +48,10 @@ class ExpertTiers:
     tier_of: torch.Tensor | None = None  # int64 [E]: tier of each local expert (None: one tier)
     local_of: torch.Tensor | None = None  # int64 [E]: index within its tier
     position: torch.Tensor | None = None  # int64 [E]: row in the tier-ordered slab
+
+    @property
+    def num_experts(self) -> int:
+        return sum(len(t.experts) for t in self.tiers)
 
     def ids_in_tier(self, ids: torch.Tensor, tier: int) -> torch.Tensor:
         """Routing ids as tier `tier` sees them: its local index, or -1 (another tier, or another EP rank)."""
