@@ -10,6 +10,9 @@
 # parity-moe / parity-rs / parity-pw      serving parity: exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; a dense Llama with piecewise prefill graphs
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
+# Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
+# ~50 s per bitrate (6 m values); one parity checkpoint ~3.5 min for the first server of a machine (SGLang's JIT
+# and MoE prefill-graph capture: ~95 s to ready), ~2.5 min after. Budget every call under its 600 s limit.
 set -uo pipefail
 rm -rf /tmp/gpuout
 export PYTHONUNBUFFERED=1
@@ -31,7 +34,7 @@ parity() {  # NAME ARGS...: one serve_parity run into $work/NAME
   local name=$1
   shift
   stop_servers
-  timeout "${PARITY_TIMEOUT:-300}" python3 tests/gpu/serve_parity.py "$work/$name" --backend cuda "$@" 2>&1 |
+  timeout "${PARITY_TIMEOUT:-420}" python3 tests/gpu/serve_parity.py "$work/$name" --backend cuda "$@" 2>&1 |
     tee "$work/$name.txt" | grep -v "^wrote" | tail -8
 }
 
@@ -68,7 +71,8 @@ run_step() {
     if [ ! -f /tmp/exl3so/exllamav3_ext.so ]; then
       for _ in $(seq 60); do grep -q "^exit" /tmp/exl3build.log 2>/dev/null && break; sleep 5; done
     fi
-    timeout "${MOEBENCH_TIMEOUT:-300}" python3 benchmarks/moe.py --ckpt-dir /tmp/moeck --bits "${MOE_BITS:-4}" \
+    timeout "${MOEBENCH_TIMEOUT:-400}" python3 benchmarks/moe.py --ckpt-dir /tmp/moeck --bits "${MOE_BITS:-4}" \
+      ${MOEBENCH_ARGS:-} \
       2>&1 | tee "$work/moe.txt" | grep -v "^ROW" | tail -14
     cp benchmarks/results/moe-* "$work/" 2>/dev/null
     ;;

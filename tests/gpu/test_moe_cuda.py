@@ -66,15 +66,23 @@ def _method(layer):
 
 
 def _reference(cpu, x, ids, w):
+    """The codec, each expert's W_hat decoded once (decoding per token made this test take minutes on the CPU)."""
+    from sglang_exl3.codec.trellis import reconstruct
+
+    w_hat = {}
+
+    def linear(inp, e, role):
+        t, s, v = cpu[e][role]
+        if (e, role) not in w_hat:
+            w_hat[e, role] = reconstruct(t, Codebook.MCG)
+        return exl3_linear_reference(inp, t, s, v, Codebook.MCG, w_hat=w_hat[e, role]).float()
+
     out = torch.zeros(x.shape[0], HIDDEN)
     for t in range(x.shape[0]):
         for j in range(TOPK):
             e = int(ids[t, j])
-            g, u, d = (cpu[e][r] for r in ("w1", "w3", "w2"))
-            gate = exl3_linear_reference(x[t:t + 1], *g, Codebook.MCG).float()
-            up = exl3_linear_reference(x[t:t + 1], *u, Codebook.MCG).float()
-            h = (torch.nn.functional.silu(gate) * up).half()
-            out[t] += float(w[t, j]) * exl3_linear_reference(h, *d, Codebook.MCG).float()[0]
+            h = (torch.nn.functional.silu(linear(x[t:t + 1], e, "w1")) * linear(x[t:t + 1], e, "w3")).half()
+            out[t] += float(w[t, j]) * linear(h, e, "w2")[0]
     return out
 
 
