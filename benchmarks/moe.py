@@ -42,7 +42,8 @@ HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
-EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_routed_us", "ours_dense_us"]
+EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
+                 "ours_sorted_us", "ours_dense_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -148,7 +149,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
-    from sglang_exl3.layers.moe_kernels import dense_forward, routed_forward
+    from sglang_exl3.layers.moe_kernels import dense_forward
 
     theirs = None
     if ckpt_dir is None:
@@ -166,6 +167,8 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     cfg = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                           intermediate_size_per_partition=INTER, top_k=TOPK, params_dtype=torch.bfloat16,
                           inplace=False)
+    (tier,) = layer.exl3_tiers.tiers
+    gate, up, down = tier.banks
     for m in ms:
         gen = torch.Generator().manual_seed(m)
         xs = [torch.randn(m, HIDDEN, generator=gen).half().cuda() for _ in range(ROUTINGS)]
@@ -185,17 +188,20 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
         row = {"m": m, "bits": bits, "rel_err_vs_bf16": rel, "exllamav3_us": None,
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
-        if both_paths:  # each forward at every m: where the routed/dense crossover really lies
-            def routed(i, xs=xs, routes=routes):
-                w, ids, _ = routes[i]
-                return routed_forward(layer.exl3_tiers, xs[i], w, ids, False)
+        if both_paths:  # each forward at every m: where the pairs/sorted/dense crossovers really lie
+            def by_op(op, xs=xs, routes=routes):
+                def run(i):
+                    w, ids, _ = routes[i]
+                    return op(xs[i], ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)
+                return run
 
             def dense(i, xs=xs, routes=routes):
                 w, ids, _ = routes[i]
                 return dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids,
                                      method.moe_runner_config)
 
-            row["ours_routed_us"] = graph_us(routed, ROUTINGS, calls=ROUTINGS)
+            row["ours_pairs_us"] = graph_us(by_op(torch.ops.exl3.moe_routed), ROUTINGS, calls=ROUTINGS)
+            row["ours_sorted_us"] = graph_us(by_op(torch.ops.exl3.moe_sorted), ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs
@@ -282,7 +288,8 @@ def main() -> int:
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="write/read one-layer checkpoints here and add exllamav3's column")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
-    ap.add_argument("--both-paths", action="store_true", help="also time the routed and the dense forward at every m")
+    ap.add_argument("--both-paths", action="store_true",
+                    help="also time each forward (per pair, expert-sorted tiles, dense slab) at every m")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge)

@@ -171,27 +171,33 @@ def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize("gelu", [False, True])
 def test_act_mul_kernel_code_equals_torch(compiled, monkeypatch, gelu):
-    """The MoE activation launch (silu or gelu-tanh of gate, times up, fp32 math, fp16 out) over host memory
-    against torch's own functions on fresh random values: within one fp16 rounding (plus, for gelu's far negative
+    """The MoE activation launch over host memory against torch's own functions on fresh random values: the
+    [rows, 2 * sources * n] output of a gate/up group (gate sources first) becomes source-major rows
+    [sources * rows, n] of act(gate) * up, fp32 math: within one fp16 rounding (plus, for gelu's far negative
     tail, where 1 + tanh cancels, 1e-5 of |up|: the two tanh implementations differ there), almost always
     identical."""
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
     gen = torch.Generator().manual_seed(3 + gelu)
-    gate, up = ((torch.randn(37, 768, generator=gen) * 3).half() for _ in range(2))
+    rows, sources, n = 3, 5, 256
+    gate_up = (torch.randn(rows, 2 * sources * n, generator=gen) * 3).half()
+    gate = gate_up[:, :sources * n].reshape(rows, sources, n).transpose(0, 1).reshape(sources * rows, n)
+    up = gate_up[:, sources * n:].reshape(rows, sources, n).transpose(0, 1).reshape(sources * rows, n)
     act = torch.nn.functional.gelu(gate.float(), approximate="tanh") if gelu else torch.nn.functional.silu(gate.float())
     want = (act * up.float()).half()
-    got = ck.act_mul(gate, up, gelu)
+    got = ck.act_mul(gate_up, sources, n, gelu)
     ulp = want.float().abs().clamp(min=2 ** -14) * 2 ** -10
+    assert got.shape == want.shape
     assert ((got.float() - want.float()).abs() <= ulp + 1e-5 * up.float().abs()).all()
     assert (got == want).float().mean() > 0.99
-    with pytest.raises(ValueError, match="two fp16 tensors"):
-        ck.act_mul(gate.float(), up)
+    with pytest.raises(ValueError, match="gate/up group"):
+        ck.act_mul(gate_up.float(), sources, n)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_moe_combine_kernel_code_equals_torch(compiled, monkeypatch, dtype):
-    """The weighted top-k combine over host memory against the torch reference, with ids of -1 skipped."""
+    """The weighted top-k combine over host memory against the torch reference, with ids of -1 skipped: rows
+    p * n apart, and rows found through an offset per pair (how the sorted path's tiles hold them)."""
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
     gen = torch.Generator().manual_seed(9)
     tokens, topk, n = 5, 3, 256
@@ -200,10 +206,15 @@ def test_moe_combine_kernel_code_equals_torch(compiled, monkeypatch, dtype):
     ids = torch.randint(0, 8, (tokens, topk), generator=gen, dtype=dtype)
     ids[1, 2] = ids[4, 0] = -1
     want = (y.float().view(tokens, topk, n) * (w * (ids >= 0)).unsqueeze(-1)).sum(dim=1)
-    got = ck.moe_combine(y, w.reshape(-1), ids.reshape(-1), topk)
+    got = ck.moe_combine(y, w.reshape(-1), ids.reshape(-1), topk, n)
     assert got.shape == (tokens, n) and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    perm = torch.randperm(tokens * topk, generator=gen)  # pair p's row stored at row perm[p] of a shuffled y
+    shuffled = torch.empty_like(y)
+    shuffled[perm] = y
+    got = ck.moe_combine(shuffled, w.reshape(-1), ids.reshape(-1), topk, n, rows=perm * n)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="moe_combine"):
-        ck.moe_combine(y, w.reshape(-1).half(), ids.reshape(-1), topk)
+        ck.moe_combine(y, w.reshape(-1).half(), ids.reshape(-1), topk, n)
 
 
 def test_a_failed_first_use_build_is_not_retried(monkeypatch, tmp_path):

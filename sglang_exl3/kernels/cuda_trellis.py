@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 4
+ABI_VERSION = 5
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -151,10 +151,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
     lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
-    ll = ctypes.c_longlong
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, i, p, i, p]
-    lib.exl3_act_mul.argtypes = [p, p, p, ll, i, i, p]
-    lib.exl3_moe_combine.argtypes = [p, p, p, i, p, i, i, i, i, p]
+    lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
+    lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -376,12 +375,12 @@ def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[lis
     rows, the total work items, output columns and partial elements per row."""
     rows, item, col, base = [], 0, 0, 0
     for tiles, suh, svh, nt, sp in sources:
-        rows.append([tiles, suh, svh, _pack_tiles_splits(nt, sp), 0, item, col, base])
+        rows.append([tiles, suh, svh, pack_tiles_splits(nt, sp), 0, item, col, base])
         item, col, base = item + nt * sp, col + nt * 16, base + sp * nt * 16
     return rows, item, col, base
 
 
-def _pack_tiles_splits(n_tiles: int, splits: int) -> int:
+def pack_tiles_splits(n_tiles: int, splits: int) -> int:
     """GroupSource's two int32 fields n_tiles, splits as one little-endian int64."""
     return n_tiles | (splits << 32)
 
@@ -429,7 +428,7 @@ def make_expert_bank(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: li
 
 def bank_rows(pointers: list[tuple[int, int, int]], n_tiles: int, splits: int) -> torch.Tensor:
     """int64 [E, 8] GroupSource rows of one bank (per-pair fields left 0: routed_table fills them)."""
-    return torch.tensor([[t, u, v, _pack_tiles_splits(n_tiles, splits), 0, 0, 0, 0] for t, u, v in pointers],
+    return torch.tensor([[t, u, v, pack_tiles_splits(n_tiles, splits), 0, 0, 0, 0] for t, u, v in pointers],
                         dtype=torch.int64)
 
 
@@ -452,7 +451,7 @@ def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
     return table, item, col, base, widths
 
 
-def _per_pair(bank: Exl3ExpertBank) -> tuple[int, int, int]:
+def source_sizes(bank: Exl3ExpertBank) -> tuple[int, int, int]:
     """Work items, output columns and partial elements of one source of the bank."""
     n = bank.n_tiles * 16
     return bank.n_tiles * bank.splits, n, bank.splits * n
@@ -465,7 +464,7 @@ def _torch_routed_rows(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div
     arange = torch.arange(pairs, device=ids.device, dtype=torch.int64)
     experts = ids.to(torch.int64).clamp(min=0)
     for i, (b, (item0, col0, base0)) in enumerate(zip(banks, offsets, strict=True)):
-        items, cols, part = _per_pair(b)
+        items, cols, part = source_sizes(b)
         out = table[i * pairs:(i + 1) * pairs]
         out[:, :4] = b.rows.index_select(0, experts)[:, :4]
         out[:, 4] = arange // x_row_div
@@ -488,7 +487,7 @@ def routed_table_builder(on_host: bool = False):
     def build(banks, ids, x_row_div, offsets, table):
         params = []
         for b, (item0, col0, base0) in zip(banks, offsets, strict=True):
-            params += [b.rows.data_ptr(), item0, col0, base0, *_per_pair(b)]
+            params += [b.rows.data_ptr(), item0, col0, base0, *source_sizes(b)]
         host = (ctypes.c_longlong * len(params))(*params)
         stream = None if on_host else _stream(ids)
         _check(lib.exl3_routed_tables(host, len(banks), ids.data_ptr(), _ids_bytes(ids), ids.shape[0], x_row_div,
@@ -496,42 +495,64 @@ def routed_table_builder(on_host: bool = False):
     return build
 
 
-def act_mul(gate: torch.Tensor, up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
-    """fp16 act(gate) * up in one launch (silu, or gelu's tanh approximation), fp32 math; CPU tensors run the same
-    code on the host."""
-    if gate.dtype != torch.float16 or up.dtype != torch.float16 or gate.shape != up.shape:
-        raise ValueError(f"act_mul takes two fp16 tensors of one shape, got {gate.dtype} {tuple(gate.shape)} and "
-                         f"{up.dtype} {tuple(up.shape)}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    on_host = not gate.is_cuda
-    _check(load_library().exl3_act_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), int(gelu),
-                                       int(on_host), None if on_host else _stream(gate)), "act mul")
+def act_mul(gate_up: torch.Tensor, sources: int, n: int, gelu: bool = False) -> torch.Tensor:
+    """fp16 [sources * rows, n] = act(gate) * up for the fp16 [rows, 2 * sources * n] output of a two-bank group
+    (gate sources' columns first), rows regrouped source by source, as a down projection over the same sources
+    reads them; silu, or gelu's tanh approximation; fp32 math; one launch (CPU tensors: the same code on the
+    host)."""
+    rows = gate_up.shape[0]
+    if gate_up.dtype != torch.float16 or gate_up.dim() != 2 or gate_up.shape[1] != 2 * sources * n:
+        raise ValueError(f"act_mul takes the fp16 [rows, 2 * {sources} * {n}] output of a gate/up group, got "
+                         f"{gate_up.dtype} {tuple(gate_up.shape)}")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(sources * rows, n, dtype=torch.float16, device=gate_up.device)
+    on_host = not gate_up.is_cuda
+    _check(load_library().exl3_act_mul(gate_up.data_ptr(), out.data_ptr(), sources, rows, n, int(gelu), int(on_host),
+                                       None if on_host else _stream(gate_up)), "act mul")
     return out
 
 
-def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
-    """fp32 [tokens, N]: each token's top-k rows of fp16 y [tokens * top-k, N] summed with fp32 routing weights
-    [tokens * top-k], in top-k order; pairs whose id is below 0 are skipped. One launch."""
-    pairs, n = y.shape
-    if y.dtype != torch.float16 or weights.dtype != torch.float32 or weights.numel() != pairs or \
-            ids.numel() != pairs or pairs % topk:
-        raise ValueError(f"moe_combine: y fp16 [P, N], fp32 weights and ids of P = tokens * {topk} entries; got "
-                         f"{y.dtype} {tuple(y.shape)}, {weights.dtype} {weights.numel()}, {ids.numel()} ids")
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk: int, n: int,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [tokens, n]: each token's top-k expert outputs summed with fp32 routing weights [tokens * top-k], in
+    top-k order; pairs whose id is below 0 are skipped. Pair p's output row starts at element rows[p] of fp16 y
+    (int64; None: p * n). One launch."""
+    pairs = ids.numel()
+    if y.dtype != torch.float16 or weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or \
+            (rows is None and y.numel() < pairs * n) or (rows is not None and (rows.dtype != torch.int64 or
+                                                                               rows.numel() != pairs)):
+        raise ValueError(f"moe_combine: fp16 y, fp32 weights and ids (and int64 row offsets) of tokens * {topk} "
+                         f"pairs; got y {y.dtype} {tuple(y.shape)}, weights {weights.dtype} {weights.numel()}, "
+                         f"{pairs} ids")
     y, weights = y.contiguous(), weights.contiguous()
     out = torch.empty(pairs // topk, n, dtype=torch.float32, device=y.device)
     on_host = not y.is_cuda
-    _check(load_library().exl3_moe_combine(y.data_ptr(), weights.data_ptr(), ids.data_ptr(), _ids_bytes(ids),
-                                           out.data_ptr(), pairs // topk, topk, n, int(on_host),
-                                           None if on_host else _stream(y)), "moe combine")
+    _check(load_library().exl3_moe_combine(y.data_ptr(), None if rows is None else rows.contiguous().data_ptr(),
+                                           weights.data_ptr(), ids.data_ptr(), _ids_bytes(ids), out.data_ptr(),
+                                           pairs // topk, topk, n, int(on_host), None if on_host else _stream(y)),
+           "moe combine")
     return out
 
 
-def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
-                  x_row_div: int = 1) -> list[torch.Tensor]:
+def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
+              total_cols: int, partial_elems: int, k2: int, codebook: int) -> torch.Tensor:
+    """fp16 [m, total_cols]: the three launches of a group over a table of `num` sources (x fp16 rows as the table's
+    x_row fields address them). Sources with n_tiles = 0 are skipped; the items and columns counted for them may
+    be an upper bound."""
+    _check_fp16("x", x, (x.shape[0], k_tiles * 16))
+    xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
+    partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, total_cols, dtype=torch.float16, device=x.device)
+    _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
+                                            out.data_ptr(), m, k_tiles, total_items, total_cols, k2, codebook,
+                                            _stream(x)), "group linear")
+    return out
+
+
+def routed_group(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int = 1) -> torch.Tensor:
     """For every pair p: bank_b's expert ids[p] applied to x[p // x_row_div], for each bank b: one table launch for
     all banks, then three launches. x fp16 [R, K]; ids int32/int64 [P] on the device (local experts; below 0: read
-    expert 0, for the caller to weigh 0). Returns fp16 [P, N_b] per bank."""
+    expert 0, for the caller to weigh 0). Returns fp16 [1, sum_b P * N_b]: bank by bank, pair by pair."""
     first = banks[0]
     for b in banks:
         if (b.k_tiles, b.k2, b.codebook) != (first.k_tiles, first.k2, first.codebook):
@@ -539,17 +560,17 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
     _check_fp16("x", x, (x.shape[0], first.k_tiles * 16))
     pairs = ids.shape[0]
     if pairs == 0:
-        return [torch.empty(0, b.n_tiles * 16, dtype=torch.float16, device=x.device) for b in banks]
-    table, item, col, base, widths = routed_table(banks, ids.contiguous(), x_row_div, routed_table_builder())
-    num = len(banks) * pairs
-    xh = torch.empty(num, 1, first.k_tiles * 16, dtype=torch.float16, device=x.device)
-    partial = torch.empty(base, dtype=torch.float32, device=x.device)
-    out = torch.empty(1, col, dtype=torch.float16, device=x.device)
-    _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
-                                            out.data_ptr(), 1, first.k_tiles, item, col, first.k2, first.codebook,
-                                            _stream(x)), "routed linear")
-    outs, at = [], 0
-    for n in widths:
+        return torch.empty(1, 0, dtype=torch.float16, device=x.device)
+    table, item, col, base, _ = routed_table(banks, ids.contiguous(), x_row_div, routed_table_builder())
+    return group_run(x, table, len(banks) * pairs, 1, first.k_tiles, item, col, base, first.k2, first.codebook)
+
+
+def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor,
+                  x_row_div: int = 1) -> list[torch.Tensor]:
+    """routed_group's output as fp16 [P, N_b] per bank."""
+    out, pairs, outs, at = routed_group(x, banks, ids, x_row_div), ids.shape[0], [], 0
+    for b in banks:
+        n = b.n_tiles * 16
         outs.append(out[0, at:at + pairs * n].view(pairs, n))
         at += pairs * n
     return outs

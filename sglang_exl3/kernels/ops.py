@@ -99,19 +99,40 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for fp16 x [m, K]; only routed experts are read (ids < 0: another expert-parallel rank's, weight 0). The
     rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, act_mul, moe_combine, routed_linear
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, act_mul, moe_combine, routed_group
 
     m, topk = topk_ids.shape
     ids = topk_ids.reshape(-1)  # as routed (int32 from SGLang): the kernels read it, and skip ids below 0
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.to(torch.int32)
     ids = ids.contiguous()
-    gate, up = routed_linear(x, [Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
-                                 Exl3ExpertBank.from_meta(up_rows, gate_up_meta)], ids, x_row_div=topk)
-    (y,) = routed_linear(act_mul(gate, up, gelu), [Exl3ExpertBank.from_meta(down_rows, down_meta)], ids)
-    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk)
+    gate, up = Exl3ExpertBank.from_meta(gate_rows, gate_up_meta), Exl3ExpertBank.from_meta(up_rows, gate_up_meta)
+    down = Exl3ExpertBank.from_meta(down_rows, down_meta)
+    gate_up = routed_group(x, [gate, up], ids, x_row_div=topk)  # [1, 2 * P * I]
+    hidden = act_mul(gate_up, ids.numel(), gate.n_tiles * 16, gelu)  # [P, I]
+    y = routed_group(hidden, [down], ids)  # [1, P * H]
+    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk, down.n_tiles * 16)
 
 
 @exl3_moe_routed.register_fake
+def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu):
+    return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=torch.float32)
+
+
+@torch.library.custom_op("exl3::moe_sorted", mutates_args=())
+def exl3_moe_sorted(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
+                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
+                    gelu: bool) -> torch.Tensor:
+    """moe_routed's result over expert-sorted tiles (kernels/moe_sorted.py): each expert read once per tile of
+    rows instead of once per (token, expert) pair; for batches whose pairs share experts."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank
+    from sglang_exl3.kernels.moe_sorted import sorted_moe
+
+    return sorted_moe(x, topk_ids, topk_weights, Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
+                      Exl3ExpertBank.from_meta(up_rows, gate_up_meta), Exl3ExpertBank.from_meta(down_rows, down_meta),
+                      gelu)
+
+
+@exl3_moe_sorted.register_fake
 def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu):
     return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=torch.float32)

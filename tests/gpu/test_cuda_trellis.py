@@ -258,10 +258,13 @@ def test_routed_linear_equals_each_pair_run_alone():
             assert torch.equal(got[p:p + 1].view(torch.int16), alone.view(torch.int16)), (p, role)
 
 
+@pytest.mark.parametrize("op", ["moe_routed", "moe_sorted"])
 @pytest.mark.parametrize("m, topk, id_dtype", [(1, 2, torch.int32), (5, 3, torch.int64), (33, 2, torch.int32)])
-def test_moe_routed_op_matches_reference_and_captures(m, topk, id_dtype):
-    """torch.ops.exl3.moe_routed against the codec: only routed experts, ids of -1 (another EP rank) weigh 0, ids as
-    SGLang hands them (int32) or int64; then the same op replayed from a CUDA graph on fresh routing."""
+def test_moe_routed_op_matches_reference_and_captures(op, m, topk, id_dtype):
+    """torch.ops.exl3.moe_routed (one source per pair) and moe_sorted (expert-sorted tiles of 8 rows, with empty
+    sources past the filled tiles at m = 33) against the codec: only routed experts, ids of -1 (another EP rank)
+    weigh 0, ids as SGLang hands them (int32) or int64; then the same op replayed from a CUDA graph on fresh
+    routing."""
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
     n_exp, hidden, inter = 6, 256, 256
@@ -291,7 +294,7 @@ def test_moe_routed_op_matches_reference_and_captures(m, topk, id_dtype):
         return out
 
     def run(x, ids, w):
-        return torch.ops.exl3.moe_routed(x, ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)
+        return getattr(torch.ops.exl3, op)(x, ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)
 
     x, ids, w = case()
     y = run(x.cuda(), ids.cuda(), w.cuda())
@@ -333,12 +336,15 @@ def test_moe_glue_kernels_match_their_host_code(gelu):
     """The activation and combine launches on the device against the same code on the host (itself checked against
     torch in tests/test_cuda_library.py): the device's expf/tanhf and fused multiply-adds may move a last bit."""
     gen = torch.Generator().manual_seed(21)
-    gate, up = ((torch.randn(40, 768, generator=gen) * 3).half() for _ in range(2))
-    got, want = ck.act_mul(gate.cuda(), up.cuda(), gelu).cpu().float(), ck.act_mul(gate, up, gelu).float()
-    assert ((got - want).abs() <= want.abs().clamp(min=2 ** -14) * 2 ** -10 + 1e-5 * up.float().abs()).all()
+    gate_up = (torch.randn(8, 2 * 5 * 768, generator=gen) * 3).half()
+    got, want = ck.act_mul(gate_up.cuda(), 5, 768, gelu).cpu().float(), ck.act_mul(gate_up, 5, 768, gelu).float()
+    up = gate_up[:, 5 * 768:].reshape(8, 5, 768).transpose(0, 1).reshape(40, 768).float()
+    assert ((got - want).abs() <= want.abs().clamp(min=2 ** -14) * 2 ** -10 + 1e-5 * up.abs()).all()
     assert (got == want).float().mean() > 0.99
     y = torch.randn(40, 256, generator=gen).half()
     w = torch.rand(40, generator=gen)
     ids = torch.randint(-1, 6, (40,), generator=gen, dtype=torch.int32)
-    got = ck.moe_combine(y.cuda(), w.cuda(), ids.cuda(), 8).cpu()
-    assert torch.allclose(got, ck.moe_combine(y, w, ids, 8), rtol=1e-6, atol=1e-6)
+    rows = torch.randperm(40, generator=gen) * 256
+    for r in (None, rows):
+        got = ck.moe_combine(y.cuda(), w.cuda(), ids.cuda(), 8, 256, None if r is None else r.cuda()).cpu()
+        assert torch.allclose(got, ck.moe_combine(y, w, ids, 8, 256, r), rtol=1e-6, atol=1e-6)

@@ -361,8 +361,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_kernel(const half* __restric
 
 // ---- groups of sources: one launch per stage for all of them -----------------------------------------
 // Same-input groups (q/k/v, gate/up): every source reads rows [0, m) of x; the table is built once per layer
-// at load. Routed-expert groups (MoE): one source per (token, expert) pair with m = 1, reading x row `x_row`;
-// the table is gathered on the device from the routing, so CUDA graphs capture it.
+// at load. Routed-expert groups (MoE): one source per (token, expert) pair with m = 1, reading x row `x_row`,
+// or one per (expert, tile of m rows) over expert-sorted rows; the table is built on the device from the
+// routing, so CUDA graphs capture it. A source with n_tiles = 0 is empty (a sorted table's static bound holds
+// more sources than the routing fills): it owns no work items and every stage skips it.
 struct GroupSource {
   const uint32_t* tiles;  // kernel layout [n_tiles, k_tiles, words]
   const half* suh;        // [K]
@@ -401,8 +403,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
   if (item >= total_items) return;
   const int s = group_source_of_item(srcs, num, item);
   const GroupSource& src = srcs[s];
+  const int local = item - (int)src.item_begin;
+  if (local >= src.n_tiles * src.splits) return;  // past the last filled source of a sorted table
   gemm_warp<K2, CB, MT, DEPTH>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
-                               k_tiles, src.n_tiles, src.splits, item - (int)src.item_begin);
+                               k_tiles, src.n_tiles, src.splits, local);
 }
 
 // Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
@@ -449,34 +453,40 @@ __host__ __device__ __forceinline__ float moe_act(float g, int gelu) {
   return g / (1.f + expf(-g));                                                                      // silu
 }
 
-__host__ __device__ __forceinline__ void act_mul_one(const half* __restrict__ gate, const half* __restrict__ up,
-                                                     half* __restrict__ out, long long i, int gelu) {
-  out[i] = __float2half_rn(moe_act(__half2float(gate[i]), gelu) * __half2float(up[i]));
+// gate_up: [rows, 2 * sources * n] as a two-bank group writes it (gate sources' columns, then up's); out: the
+// activation in source-major rows [sources * rows, n], the row order of a down projection over the same sources.
+__host__ __device__ __forceinline__ void act_mul_one(const half* __restrict__ gate_up, half* __restrict__ out,
+                                                     int sources, int rows, int n, long long i, int gelu) {
+  const long long c = i % n, r = (i / n) % rows, s = i / ((long long)n * rows);
+  const long long at = r * 2 * sources * n + s * n + c, up = (long long)sources * n;
+  out[i] = __float2half_rn(moe_act(__half2float(gate_up[at]), gelu) * __half2float(gate_up[at + up]));
 }
 
-__global__ void act_mul_kernel(const half* __restrict__ gate, const half* __restrict__ up, half* __restrict__ out,
-                               long long count, int gelu) {
+__global__ void act_mul_kernel(const half* __restrict__ gate_up, half* __restrict__ out, int sources, int rows,
+                               int n, long long count, int gelu) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < count) act_mul_one(gate, up, out, i, gelu);
+  if (i < count) act_mul_one(gate_up, out, sources, rows, n, i, gelu);
 }
 
-// out[t, c] = sum over j < top-k, in order, of w[t, j] * y[t * top-k + j, c], skipping ids below 0.
-__host__ __device__ __forceinline__ void combine_one(const half* __restrict__ y, const float* __restrict__ w,
-                                                     const void* ids, int ids_bytes, float* __restrict__ out,
-                                                     int topk, int n, long long i) {
+// out[t, c] = sum over j < top-k, in order, of w[t, j] * y[row of pair t * top-k + j][c], skipping ids below 0.
+// A pair's row starts at y + rows[p] (element offsets; null: y + p * n).
+__host__ __device__ __forceinline__ void combine_one(const half* __restrict__ y, const long long* __restrict__ rows,
+                                                     const float* __restrict__ w, const void* ids, int ids_bytes,
+                                                     float* __restrict__ out, int topk, int n, long long i) {
   const long long t = i / n, c = i % n;
   float acc = 0.f;
   for (int j = 0; j < topk; ++j) {
     const long long p = t * topk + j;
-    if (routed_id(ids, ids_bytes, p) >= 0) acc += w[p] * __half2float(y[p * n + c]);
+    if (routed_id(ids, ids_bytes, p) >= 0) acc += w[p] * __half2float(y[(rows ? rows[p] : p * n) + c]);
   }
   out[i] = acc;
 }
 
-__global__ void combine_kernel(const half* __restrict__ y, const float* __restrict__ w, const void* ids,
-                               int ids_bytes, float* __restrict__ out, int topk, int n, long long count) {
+__global__ void combine_kernel(const half* __restrict__ y, const long long* __restrict__ rows,
+                               const float* __restrict__ w, const void* ids, int ids_bytes, float* __restrict__ out,
+                               int topk, int n, long long count) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < count) combine_one(y, w, ids, ids_bytes, out, topk, n, i);
+  if (i < count) combine_one(y, rows, w, ids, ids_bytes, out, topk, n, i);
 }
 
 // ---- Hadamard-128 rotations (fp32 butterflies in exllamav3's stage order: bit-exact had_r_128) --
@@ -576,6 +586,7 @@ __global__ void had_in_group_kernel(const half* __restrict__ x, const GroupSourc
   const int blocks = cols / 128, per_source = rows * blocks;
   if (item >= num * per_source) return;
   const int s = item / per_source, r = (item % per_source) / blocks, c0 = (item % blocks) * 128;
+  if (srcs[s].n_tiles == 0) return;  // empty source
   had_in_block(x + (size_t)(srcs[s].x_row + r) * cols + c0, srcs[s].suh + c0,
                xh_all + ((size_t)s * rows + r) * cols + c0, threadIdx.x & 31);
 }
@@ -590,6 +601,7 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
   const int s = group_source_at<true>(srcs, num, col);
   const GroupSource& src = srcs[s];
   const int n = src.n_tiles * 16, c0 = col - (int)src.col_begin;
+  if (c0 >= n) return;  // an empty source's columns are never read
   const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
   had_out_block(acc, (size_t)rows * n, src.splits, src.svh + c0, out + (size_t)r * total_cols + col,
                 threadIdx.x & 31);
@@ -747,37 +759,41 @@ int exl3_routed_tables(const long long* params, int banks, const void* ids, int 
   return (int)cudaGetLastError();
 }
 
-// out fp16 [count] = act(gate) * up for fp16 gate, up (silu, or gelu's tanh approximation when `gelu`).
-int exl3_act_mul(const void* gate, const void* up, void* out, long long count, int gelu, int on_host, void* stream) {
-  if (count < 0 || !gate || !up || !out) return -3;
+// out fp16 [sources * rows, n] = act(gate) * up for the fp16 [rows, 2 * sources * n] output of a two-bank group
+// (silu, or gelu's tanh approximation when `gelu`), rows regrouped source by source.
+int exl3_act_mul(const void* gate_up, void* out, int sources, int rows, int n, int gelu, int on_host, void* stream) {
+  if (sources < 0 || rows <= 0 || n <= 0 || !gate_up || !out) return -3;
+  const long long count = (long long)sources * rows * n;
   if (count == 0) return 0;
-  auto g = (const half*)gate;
-  auto u = (const half*)up;
+  auto g = (const half*)gate_up;
   auto o = (half*)out;
   if (on_host) {
-    for (long long i = 0; i < count; ++i) act_mul_one(g, u, o, i, gelu);
+    for (long long i = 0; i < count; ++i) act_mul_one(g, o, sources, rows, n, i, gelu);
     return 0;
   }
-  act_mul_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, u, o, count, gelu);
+  act_mul_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(g, o, sources, rows, n, count,
+                                                                                     gelu);
   return (int)cudaGetLastError();
 }
 
-// out fp32 [tokens, n] = the routing-weighted sum of each token's top-k rows of y fp16 [tokens * top-k, n];
-// w fp32 [tokens * top-k]; pairs whose id is below 0 are skipped.
-int exl3_moe_combine(const void* y, const void* w, const void* ids, int ids_bytes, void* out, int tokens, int topk,
-                     int n, int on_host, void* stream) {
+// out fp32 [tokens, n] = the routing-weighted sum of each token's top-k rows of fp16 y; pair p's row starts at
+// y + rows[p] (int64 element offsets; null: y + p * n); w fp32 [tokens * top-k]; pairs whose id is below 0 are
+// skipped.
+int exl3_moe_combine(const void* y, const void* rows, const void* w, const void* ids, int ids_bytes, void* out,
+                     int tokens, int topk, int n, int on_host, void* stream) {
   if (tokens < 0 || topk <= 0 || n <= 0 || (ids_bytes != 4 && ids_bytes != 8)) return -3;
   if (tokens == 0) return 0;
   const long long count = (long long)tokens * n;
   auto yy = (const half*)y;
+  auto rr = (const long long*)rows;
   auto ww = (const float*)w;
   auto o = (float*)out;
   if (on_host) {
-    for (long long i = 0; i < count; ++i) combine_one(yy, ww, ids, ids_bytes, o, topk, n, i);
+    for (long long i = 0; i < count; ++i) combine_one(yy, rr, ww, ids, ids_bytes, o, topk, n, i);
     return 0;
   }
-  combine_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(yy, ww, ids, ids_bytes, o, topk,
-                                                                                     n, count);
+  combine_kernel<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)stream>>>(yy, rr, ww, ids, ids_bytes, o,
+                                                                                     topk, n, count);
   return (int)cudaGetLastError();
 }
 
@@ -798,7 +814,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 4; }
+int exl3_abi_version(void) { return 5; }
 
 const char* exl3_error_string(int code) {
   switch (code) {

@@ -1,0 +1,160 @@
+"""Expert-sorted MoE tiles (kernels/moe_sorted.py) on the CPU: the plan's placement of every (token, expert) pair,
+the group table the kernels read, and the whole forward against the codec, with the three group launches
+emulated from the table (what the CUDA kernels compute per source, through the codec) and the glue kernels'
+own code run on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_exl3.codec import exl3_linear_reference
+from sglang_exl3.format import Codebook
+from sglang_exl3.kernels import cuda_trellis as ck
+from sglang_exl3.kernels.moe_sorted import max_tiles, sorted_plan, sorted_table
+
+
+def _routing(tokens: int, topk: int, experts: int, seed: int, drop: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).to(torch.int32)
+    ids.view(-1)[torch.randperm(ids.numel(), generator=gen)[:drop]] = -1  # other EP ranks' experts
+    return ids
+
+
+@pytest.mark.parametrize("tokens, topk, experts, tile", [(1, 2, 6, 8), (13, 3, 6, 8), (40, 8, 128, 8), (9, 2, 4, 1)])
+def test_plan_places_every_pair_in_a_tile_of_its_expert(tokens, topk, experts, tile):
+    ids = _routing(tokens, topk, experts, seed=tokens)
+    plan = sorted_plan(ids.reshape(-1), experts, tile)
+    flat = ids.reshape(-1).long()
+    valid = flat >= 0
+    counts = torch.bincount(flat[valid], minlength=experts)
+    assert int(plan.filled) == int(((counts + tile - 1) // tile).sum()) <= plan.sources
+    assert plan.sources == max_tiles(flat.numel(), experts, tile)
+    rows = plan.rows[valid]
+    assert rows.unique().numel() == rows.numel() and bool((rows < plan.filled * tile).all())
+    assert bool((plan.experts[rows // tile] == flat[valid]).all())  # each pair's tile belongs to its expert
+    assert bool((plan.rows[~valid] == plan.sources * tile).all())  # ids below 0: the dump row, no tile
+    filled = int(plan.filled)
+    assert bool((plan.experts[1:filled] >= plan.experts[:filled - 1]).all())  # experts in order
+
+
+def test_table_owns_items_for_filled_tiles_only():
+    """Two banks over a plan with empty sources: per-source fields, and the items of the second bank start right
+    after the first bank's filled tiles (the kernels binary-search item_begin; empty sources own none)."""
+    experts, tile = 5, 8
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, sp),
+                               n_tiles=nt, k_tiles=16, splits=sp, k2=4, codebook=1)
+             for b, (nt, sp) in enumerate(((48, 8), (16, 2)))]
+    ids = torch.tensor([[0, 3], [3, 1], [4, 3], [-1, 0]], dtype=torch.int32)
+    plan = sorted_plan(ids.reshape(-1), experts, tile)
+    table, items, cols, part = sorted_table(banks, plan)
+    s, filled = plan.sources, int(plan.filled)
+    assert filled == 4 and s == max_tiles(8, experts, tile) == 6  # experts 0, 1, 3, 4: one tile each
+    assert (items, cols, part) == (s * (48 * 8 + 16 * 2), s * (768 + 256), s * (8 * 768 + 2 * 256))
+    for b, (nt, sp) in enumerate(((48, 8), (16, 2))):
+        block = table[b * s:(b + 1) * s]
+        assert block[:filled, 0].tolist() == [100 * b + e for e in (0, 1, 3, 4)]
+        assert block[:filled, 3].tolist() == [ck.pack_tiles_splits(nt, sp)] * filled
+        assert block[filled:, 3].tolist() == [ck.pack_tiles_splits(0, sp)] * (s - filled)
+        assert block[:, 4].tolist() == [i * tile for i in range(s)]
+    first_up_item = filled * 48 * 8
+    assert table[:s, 5].tolist() == [i * 384 for i in range(filled)] + [first_up_item] * (s - filled)
+    assert table[s:, 5].tolist() == [first_up_item + i * 32 for i in range(filled)] + \
+        [first_up_item + filled * 32] * (s - filled)
+
+
+def _emulated_group(experts_by_ptr: dict[int, tuple], codebook: Codebook):
+    """What exl3_group_linear computes from a table, source by source, through the codec: out[r, col_begin + n] =
+    linear_e(x[x_row + r])[n] for every non-empty source (empty ones write nothing)."""
+
+    def run(x, table, num, m, k_tiles, items, cols, part, k2, cb):
+        out = torch.full((m, cols), float("nan"), dtype=torch.float16)
+        for row in table.tolist():
+            n_tiles = row[3] & 0xFFFFFFFF
+            if n_tiles == 0:
+                continue
+            tiles, suh, svh = experts_by_ptr[row[0]]
+            y = exl3_linear_reference(x[row[4]:row[4] + m], tiles.permute(1, 0, 2), suh, svh, codebook)
+            out[:, row[6]:row[6] + n_tiles * 16] = y
+        return out
+    return run
+
+
+@pytest.fixture(scope="module")
+def compiled_lib(tmp_path_factory):
+    if ck.find_nvcc() is None:
+        pytest.skip("needs nvcc (the glue kernels' host code)")
+    return ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens, topk, gelu", [(7, 2, False), (20, 3, True)])
+def test_sorted_forward_equals_the_codec(compiled_lib, monkeypatch, tokens, topk, gelu):
+    from sglang_exl3.kernels.moe_sorted import sorted_moe
+
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
+    hidden, inter, experts, cb = 256, 128, 5, Codebook.MCG
+    gen = torch.Generator().manual_seed(tokens)
+    weights = []  # per expert: (trellis [K/16, N/16, words], suh, svh) per role
+    for _ in range(experts):
+        weights.append([(torch.randint(-32768, 32768, (k // 16, n // 16, 48), generator=gen, dtype=torch.int16),
+                         (torch.randn(k, generator=gen) * 0.1).half(), (torch.randn(n, generator=gen) * 0.1).half())
+                        for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))])
+    by_ptr, banks = {}, []
+    for r in range(3):
+        tiles = [ck.prepare(w[r][0]) for w in weights]
+        for e, t in enumerate(tiles):
+            by_ptr[t.data_ptr()] = (t, weights[e][r][1], weights[e][r][2])
+        nt, kt = tiles[0].shape[:2]
+        pointers = [(t.data_ptr(), w[r][1].data_ptr(), w[r][2].data_ptr())
+                    for t, w in zip(tiles, weights, strict=True)]
+        rows = ck.bank_rows(pointers, nt, 2)
+        banks.append(ck.Exl3ExpertBank(rows=rows, n_tiles=nt, k_tiles=kt, splits=2, k2=6, codebook=int(cb),
+                                       sources=(tuple(tiles),)))
+    x = torch.randn(tokens, hidden, generator=gen).half()
+    ids = _routing(tokens, topk, experts, seed=tokens + 1)
+    w = torch.rand(tokens, topk, generator=gen)
+    got = sorted_moe(x, ids, w, *banks, gelu, run=_emulated_group(by_ptr, cb))
+
+    act = (lambda g: torch.nn.functional.gelu(g, approximate="tanh")) if gelu else torch.nn.functional.silu
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(topk):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gate = exl3_linear_reference(x[t:t + 1], *weights[e][0], cb).float()
+            up = exl3_linear_reference(x[t:t + 1], *weights[e][1], cb).float()
+            h = (act(gate) * up).half()
+            want[t] += float(w[t, j]) * exl3_linear_reference(h, *weights[e][2], cb).float()[0]
+    assert not torch.isnan(got).any()
+    assert torch.allclose(got, want, rtol=2e-3, atol=2e-4), (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_kernel_lookup_skips_empty_sources(compiled_lib):
+    """The library's own source lookup (host probe) over a sorted table: the up bank's first item lands on its
+    first tile, not on the gate bank's empty sources that share its item_begin; items past the filled tiles land
+    on an empty source (n_tiles 0: the GEMM returns at once); columns stay static per source."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(compiled_lib))
+    lib.exl3_group_probe.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
+                                     ctypes.c_void_p]
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(5)], 48, 8),
+                               n_tiles=48, k_tiles=16, splits=8, k2=4, codebook=1) for b in range(2)]
+    plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), 5, 8)
+    table, items, cols, _ = sorted_table(banks, plan)
+    s, filled, per = plan.sources, int(plan.filled), 48 * 8
+
+    def probe(item, col):
+        out = torch.zeros(7, dtype=torch.int64)
+        assert lib.exl3_group_probe(table.data_ptr(), table.shape[0], item, col, out.data_ptr()) == 0
+        return out.tolist()
+
+    assert probe(filled * per, 0)[0] == s and probe(filled * per, 0)[2] == 48  # up's first tile
+    assert probe(filled * per - 1, 0)[0] == filled - 1  # gate's last filled tile
+    past = probe(2 * filled * per, 0)
+    assert past[0] >= s + filled and past[2] == 0  # an empty source: no work
+    assert probe(0, (s + 2) * 768 + 5)[1] == s + 2  # columns: static, source by source
+    assert items == 2 * s * per and cols == 2 * s * 768
