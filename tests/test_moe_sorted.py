@@ -39,8 +39,9 @@ def test_plan_places_every_pair_in_a_tile_of_its_expert(tokens, topk, experts, t
 
 
 def test_table_owns_items_for_filled_tiles_only():
-    """Two banks over a plan with empty sources: per-source fields, and the items of the second bank start right
-    after the first bank's filled tiles (the kernels binary-search item_begin; empty sources own none)."""
+    """Two banks over a plan with empty sources: per-source fields (unsplit: the tiles give the parallelism), and
+    the items of the second bank start right after the first bank's filled tiles (the kernels binary-search
+    item_begin; empty sources own none)."""
     experts, tile = 5, 8
     banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, sp),
                                n_tiles=nt, k_tiles=16, splits=sp, k2=4, codebook=1)
@@ -50,17 +51,25 @@ def test_table_owns_items_for_filled_tiles_only():
     table, items, cols, part = sorted_table(banks, plan)
     s, filled = plan.sources, int(plan.filled)
     assert filled == 4 and s == max_tiles(8, experts, tile) == 6  # experts 0, 1, 3, 4: one tile each
-    assert (items, cols, part) == (s * (48 * 8 + 16 * 2), s * (768 + 256), s * (8 * 768 + 2 * 256))
-    for b, (nt, sp) in enumerate(((48, 8), (16, 2))):
+    assert (items, cols, part) == (s * (48 + 16), s * (768 + 256), s * (768 + 256))
+    for b, nt in enumerate((48, 16)):
         block = table[b * s:(b + 1) * s]
         assert block[:filled, 0].tolist() == [100 * b + e for e in (0, 1, 3, 4)]
-        assert block[:filled, 3].tolist() == [ck.pack_tiles_splits(nt, sp)] * filled
-        assert block[filled:, 3].tolist() == [ck.pack_tiles_splits(0, sp)] * (s - filled)
+        assert block[:filled, 3].tolist() == [ck.pack_tiles_splits(nt, 1)] * filled
+        assert block[filled:, 3].tolist() == [ck.pack_tiles_splits(0, 1)] * (s - filled)
         assert block[:, 4].tolist() == [i * tile for i in range(s)]
-    first_up_item = filled * 48 * 8
-    assert table[:s, 5].tolist() == [i * 384 for i in range(filled)] + [first_up_item] * (s - filled)
-    assert table[s:, 5].tolist() == [first_up_item + i * 32 for i in range(filled)] + \
-        [first_up_item + filled * 32] * (s - filled)
+    first_up_item = filled * 48
+    assert table[:s, 5].tolist() == [i * 48 for i in range(filled)] + [first_up_item] * (s - filled)
+    assert table[s:, 5].tolist() == [first_up_item + i * 16 for i in range(filled)] + \
+        [first_up_item + filled * 16] * (s - filled)
+    assert table[s:, 6].tolist() == [s * 768 + i * 256 for i in range(s)]
+
+
+def test_tile_rows_follow_the_mean_pairs_per_expert():
+    from sglang_exl3.kernels.moe_sorted import tile_rows
+
+    assert tile_rows(128, 128) == 8  # Qwen3-30B-A3B at m = 16: one pair per expert on average
+    assert tile_rows(512 * 8, 128) == 32 and tile_rows(4096 * 8, 128) == 64 and tile_rows(3, 5) == 8
 
 
 def _emulated_group(experts_by_ptr: dict[int, tuple], codebook: Codebook):
@@ -145,7 +154,7 @@ def test_kernel_lookup_skips_empty_sources(compiled_lib):
                                n_tiles=48, k_tiles=16, splits=8, k2=4, codebook=1) for b in range(2)]
     plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), 5, 8)
     table, items, cols, _ = sorted_table(banks, plan)
-    s, filled, per = plan.sources, int(plan.filled), 48 * 8
+    s, filled, per = plan.sources, int(plan.filled), 48  # unsplit: one item per column tile
 
     def probe(item, col):
         out = torch.zeros(7, dtype=torch.int64)

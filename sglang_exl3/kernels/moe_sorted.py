@@ -1,11 +1,12 @@
-"""MoE experts over expert-sorted rows: one group source per (expert, tile of TILE_ROWS rows).
+"""MoE experts over expert-sorted rows: one group source per (expert, tile of rows).
 
 The routed path (`torch.ops.exl3.moe_routed`) runs one m = 1 source per (token, expert) pair, so an expert
 routed p times is read p times: fine at decode (few pairs, mostly distinct experts), wasteful once pairs share
 experts (H200, Qwen3-30B-A3B layer: 14.6 µs per row of top-8 from m = 16 to 64). Here the pairs are sorted by
-expert on the device, their input rows gathered into tiles of TILE_ROWS rows per expert, and each tile is one
+expert on the device, their input rows gathered into tiles of 8-64 rows per expert, and each tile is one
 source of the same grouped kernels, so an expert is read once per tile. Everything is device ops with static
-shapes (the tile count's bound P / TILE_ROWS + min(E, P), surplus sources marked empty), so CUDA graphs capture it.
+shapes (tile rows from the mean pairs per expert; the tile count's bound P / tile + min(E, P), surplus sources
+marked empty), so CUDA graphs capture it. The sources run unsplit along K: the tiles give the parallelism.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from sglang_exl3.kernels.cuda_trellis import (
     group_run,
     moe_combine,
     pack_tiles_splits,
-    source_sizes,
 )
 
-TILE_ROWS = 8  # rows per source: the fused kernel's smallest row group
+MIN_TILE_ROWS, MAX_TILE_ROWS = 8, 64  # the fused kernel's row groups: 8 .. 64 rows per source
+
+
+def tile_rows(pairs: int, experts: int) -> int:
+    """Rows per tile from the mean pairs per expert (a power of two in [8, 64]): small tiles while experts see few
+    rows (less padding), large ones for long prefills (each expert read once per tile)."""
+    mean = max(1, -(-pairs // max(experts, 1)))
+    return min(MAX_TILE_ROWS, max(MIN_TILE_ROWS, 1 << (mean - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ def max_tiles(pairs: int, experts: int, tile: int) -> int:
     return min(pairs, -(-pairs // tile) + min(experts, pairs))
 
 
-def sorted_plan(ids: torch.Tensor, experts: int, tile: int = TILE_ROWS) -> SortedPlan:
+def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
     """Where each (token, expert) pair goes: experts in order, each one's pairs in tiles of `tile` rows."""
     pairs = ids.numel()
     dev = ids.device
@@ -63,10 +70,10 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int = TILE_ROWS) -> Sorte
 
 
 def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.Tensor, int, int, int]:
-    """GroupSource rows for every (bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile). Columns and
-    partials are laid out for all S sources (static); work items only for the filled ones, numbered bank by bank,
-    and the empty sources (n_tiles = 0) own none. Returns the table and the static item, column and partial
-    totals."""
+    """GroupSource rows for every (bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), unsplit.
+    Columns and partials are laid out for all S sources (static); work items only for the filled ones, numbered
+    bank by bank, and the empty sources (n_tiles = 0) own none. Returns the table and the static item, column and
+    partial totals."""
     s, dev = plan.sources, plan.experts.device
     src = torch.arange(s, device=dev)
     live = src < plan.filled
@@ -74,10 +81,11 @@ def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.T
     item_off = torch.zeros((), dtype=torch.int64, device=dev)
     items_total = cols_total = part_total = 0
     for i, b in enumerate(banks):
-        items, cols, part = source_sizes(b)
+        items, cols = b.n_tiles, b.n_tiles * 16
+        part = cols
         out = table[i * s:(i + 1) * s]
         out[:, :3] = b.rows.index_select(0, plan.experts)[:, :3]
-        out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, b.splits), pack_tiles_splits(0, b.splits))
+        out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, 1), pack_tiles_splits(0, 1))
         out[:, 4] = src * plan.tile
         out[:, 5] = item_off + torch.minimum(src, plan.filled) * items
         out[:, 6] = cols_total + src * cols
@@ -88,7 +96,7 @@ def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.T
 
 
 def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
-               up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int = TILE_ROWS,
+               up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int | None = None,
                run=group_run) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `run` runs a
     group table (tests pass an emulator of the kernels)."""
@@ -96,7 +104,9 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     ids = topk_ids.reshape(-1).contiguous()
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.to(torch.int32)
-    plan = sorted_plan(ids, gate.rows.shape[0], tile)
+    experts = gate.rows.shape[0]
+    plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
+    tile = plan.tile
     s, inter, hidden = plan.sources, gate.n_tiles * 16, down.n_tiles * 16
     xs = torch.empty(s * tile + 1, x.shape[1], dtype=torch.float16, device=x.device)  # + the dump row
     token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
