@@ -155,9 +155,14 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         x16 = x.reshape(-1, x.shape[-1]).to(torch.float16)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x.device)
-        for path, r0, r1 in layer.exl3_plan.segments(x16.shape[0], capturing, self.prefix, layer.exl3_role):
-            out[r0:r1] = self.runners[path](layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
+        m = x16.shape[0]
+        segments = list(layer.exl3_plan.segments(m, capturing, self.prefix, layer.exl3_role))
+        if len(segments) == 1 and segments[0][1:] == (0, m):  # one plan for all rows: no staging buffer and copy
+            out = self.runners[segments[0][0]](layer, x16, topk_weights, topk_ids)
+        else:
+            out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=x.device)
+            for path, r0, r1 in segments:
+                out[r0:r1] = self.runners[path](layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None:
             out *= scale
