@@ -169,6 +169,28 @@ def test_routed_table_kernel_code_equals_the_torch_reference(compiled, monkeypat
 
 
 @pytest.mark.slow
+def test_routed_tables_for_both_moe_launches_in_one(compiled, monkeypatch):
+    """gate/up (x row = token = pair // top-k) and down (x row = pair) tables built by one launch: each group's
+    block numbers its items, columns and partials from 0, the host-run kernel code equals the torch reference."""
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", compiled._name)
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(7)], nt, sp),
+                               n_tiles=nt, k_tiles=kt, splits=sp, k2=6, codebook=2)
+             for b, (nt, kt, sp) in enumerate(((48, 128, 8), (48, 128, 8), (128, 48, 3)))]
+    ids = torch.tensor([6, 0, 3, -1, 1, 5], dtype=torch.int32)
+    groups = [(banks[:2], 2), (banks[2:], 1)]
+    want, blocks = ck.routed_tables(groups, ids)
+    got, same = ck.routed_tables(groups, ids, ck.routed_table_builder(on_host=True))
+    assert torch.equal(got, want) and same == blocks
+    gu, dn = blocks
+    assert (gu.start, gu.num, dn.start, dn.num) == (0, 12, 12, 6)
+    assert (gu.items, gu.cols, dn.items, dn.cols) == (12 * 48 * 8, 12 * 768, 6 * 128 * 3, 6 * 2048)
+    down = want[dn.start:]
+    assert down[:, 4].tolist() == list(range(6)) and want[:6, 4].tolist() == [0, 0, 1, 1, 2, 2]
+    assert down[:, 5].tolist() == [p * 128 * 3 for p in range(6)] and down[0, 6] == 0 and down[0, 7] == 0
+    assert down[:, 0].tolist() == [200 + e for e in (6, 0, 3, 0, 1, 5)]  # -1 reads expert 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("gelu", [False, True])
 def test_act_mul_kernel_code_equals_torch(compiled, monkeypatch, gelu):
     """The MoE activation launch over host memory against torch's own functions on fresh random values: the

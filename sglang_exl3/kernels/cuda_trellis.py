@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 5
+ABI_VERSION = 6
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -151,7 +151,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
     lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
-    lib.exl3_routed_tables.argtypes = [p, i, p, i, i, i, p, i, p]
+    lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
@@ -432,23 +432,47 @@ def bank_rows(pointers: list[tuple[int, int, int]], n_tiles: int, splits: int) -
                         dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class RoutedBlock:
+    """One group's block of a routed table: its rows [start, start + num) and the totals its launch needs."""
+
+    start: int
+    num: int
+    items: int
+    cols: int
+    partial: int
+    widths: tuple[int, ...]
+
+
+def routed_tables(groups: list[tuple[list[Exl3ExpertBank], int]], ids: torch.Tensor,
+                  build=None) -> tuple[torch.Tensor, list[RoutedBlock]]:
+    """GroupSource rows for every (group, bank, pair): bank b's expert ids[p] reading x row p // x_row_div (the
+    group's), numbered bank by bank, pair by pair, each group's work items, columns and partials from 0; an id below
+    0 (another EP rank's expert) reads expert 0, to be weighed 0 by the caller. `build(banks, ids, params, table)`
+    fills the table, params holding per bank (item0, col0, base0, x_row_div) (default: the torch reference;
+    `routed_table_builder` is the library's one launch for all banks of all groups)."""
+    pairs = ids.shape[0]
+    banks, params, blocks = [], [], []
+    for group, x_row_div in groups:
+        item = col = base = 0
+        for b in group:
+            params.append((item, col, base, x_row_div))
+            items, cols, part = source_sizes(b)
+            item, col, base = item + pairs * items, col + pairs * cols, base + pairs * part
+        blocks.append(RoutedBlock(start=len(banks) * pairs, num=len(group) * pairs, items=item, cols=col,
+                                  partial=base, widths=tuple(b.n_tiles * 16 for b in group)))
+        banks += group
+    table = torch.empty(len(banks) * pairs, 8, dtype=torch.int64, device=ids.device)
+    (build or _torch_routed_rows)(banks, ids, params, table)
+    return table, blocks
+
+
 def routed_table(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
                  build=None) -> tuple[torch.Tensor, int, int, int, list[int]]:
-    """GroupSource rows for every (bank, pair): bank b's expert ids[p] reading x row p // x_row_div, numbered bank
-    by bank, pair by pair; an id below 0 (another EP rank's expert) reads expert 0, to be weighed 0 by the caller.
-    `build(banks, ids, x_row_div, offsets, table)` fills the table (default: the torch reference, capturable;
-    `routed_table_builder` is the library's one launch for all banks). Returns the table, total work items, output
-    columns, partial elements and each bank's output width."""
-    pairs = ids.shape[0]
-    table = torch.empty(len(banks) * pairs, 8, dtype=torch.int64, device=ids.device)
-    item, col, base, widths, offsets = 0, 0, 0, [], []
-    for b in banks:
-        n = b.n_tiles * 16
-        offsets.append((item, col, base))
-        item, col, base = item + pairs * b.n_tiles * b.splits, col + pairs * n, base + pairs * b.splits * n
-        widths.append(n)
-    (build or _torch_routed_rows)(banks, ids, x_row_div, offsets, table)
-    return table, item, col, base, widths
+    """One group's routed table: the table, total work items, output columns, partial elements and each bank's
+    output width."""
+    table, (block,) = routed_tables([(banks, x_row_div)], ids, build)
+    return table, block.items, block.cols, block.partial, list(block.widths)
 
 
 def source_sizes(bank: Exl3ExpertBank) -> tuple[int, int, int]:
@@ -457,13 +481,13 @@ def source_sizes(bank: Exl3ExpertBank) -> tuple[int, int, int]:
     return bank.n_tiles * bank.splits, n, bank.splits * n
 
 
-def _torch_routed_rows(banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int,
-                       offsets: list[tuple[int, int, int]], table: torch.Tensor) -> None:
+def _torch_routed_rows(banks: list[Exl3ExpertBank], ids: torch.Tensor, params: list[tuple[int, int, int, int]],
+                       table: torch.Tensor) -> None:
     """The reference builder (torch ops): what the kernel's routed_source computes per pair."""
     pairs = ids.shape[0]
     arange = torch.arange(pairs, device=ids.device, dtype=torch.int64)
     experts = ids.to(torch.int64).clamp(min=0)
-    for i, (b, (item0, col0, base0)) in enumerate(zip(banks, offsets, strict=True)):
+    for i, (b, (item0, col0, base0, x_row_div)) in enumerate(zip(banks, params, strict=True)):
         items, cols, part = source_sizes(b)
         out = table[i * pairs:(i + 1) * pairs]
         out[:, :4] = b.rows.index_select(0, experts)[:, :4]
@@ -484,13 +508,13 @@ def routed_table_builder(on_host: bool = False):
     a GPU)."""
     lib = load_library()
 
-    def build(banks, ids, x_row_div, offsets, table):
-        params = []
-        for b, (item0, col0, base0) in zip(banks, offsets, strict=True):
-            params += [b.rows.data_ptr(), item0, col0, base0, *source_sizes(b)]
-        host = (ctypes.c_longlong * len(params))(*params)
+    def build(banks, ids, params, table):
+        flat = []
+        for b, (item0, col0, base0, x_row_div) in zip(banks, params, strict=True):
+            flat += [b.rows.data_ptr(), item0, col0, base0, *source_sizes(b), x_row_div]
+        host = (ctypes.c_longlong * len(flat))(*flat)
         stream = None if on_host else _stream(ids)
-        _check(lib.exl3_routed_tables(host, len(banks), ids.data_ptr(), _ids_bytes(ids), ids.shape[0], x_row_div,
+        _check(lib.exl3_routed_tables(host, len(banks), ids.data_ptr(), _ids_bytes(ids), ids.shape[0],
                                       table.data_ptr(), int(on_host), stream), "routed tables")
     return build
 

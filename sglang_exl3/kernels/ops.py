@@ -99,19 +99,12 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for fp16 x [m, K]; only routed experts are read (ids < 0: another expert-parallel rank's, weight 0). The
     rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, act_mul, moe_combine, routed_group
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank
+    from sglang_exl3.kernels.moe_routed import routed_moe
 
-    m, topk = topk_ids.shape
-    ids = topk_ids.reshape(-1)  # as routed (int32 from SGLang): the kernels read it, and skip ids below 0
-    if ids.dtype not in (torch.int32, torch.int64):
-        ids = ids.to(torch.int32)
-    ids = ids.contiguous()
-    gate, up = Exl3ExpertBank.from_meta(gate_rows, gate_up_meta), Exl3ExpertBank.from_meta(up_rows, gate_up_meta)
-    down = Exl3ExpertBank.from_meta(down_rows, down_meta)
-    gate_up = routed_group(x, [gate, up], ids, x_row_div=topk)  # [1, 2 * P * I]
-    hidden = act_mul(gate_up, ids.numel(), gate.n_tiles * 16, gelu)  # [P, I]
-    y = routed_group(hidden, [down], ids)  # [1, P * H]
-    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk, down.n_tiles * 16)
+    return routed_moe(x, topk_ids, topk_weights, Exl3ExpertBank.from_meta(gate_rows, gate_up_meta),
+                      Exl3ExpertBank.from_meta(up_rows, gate_up_meta), Exl3ExpertBank.from_meta(down_rows, down_meta),
+                      gelu)
 
 
 @exl3_moe_routed.register_fake

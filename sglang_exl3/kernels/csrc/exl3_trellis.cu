@@ -419,6 +419,7 @@ struct RoutedBanks {  // by value: a captured launch keeps its own copy
   const long long* rows[kMaxRoutedBanks];
   long long item0[kMaxRoutedBanks], col0[kMaxRoutedBanks], base0[kMaxRoutedBanks];
   long long items[kMaxRoutedBanks], cols[kMaxRoutedBanks], part[kMaxRoutedBanks];
+  int x_row_div[kMaxRoutedBanks];  // gate/up read token rows (p / top-k), down reads pair rows (p / 1)
 };
 
 __host__ __device__ __forceinline__ long long routed_id(const void* ids, int ids_bytes, long long p) {
@@ -426,24 +427,24 @@ __host__ __device__ __forceinline__ long long routed_id(const void* ids, int ids
 }
 
 __host__ __device__ __forceinline__ void routed_source(const RoutedBanks& b, int bank, const void* ids, int ids_bytes,
-                                                       int p, int x_row_div, long long* __restrict__ out) {
+                                                       int p, long long* __restrict__ out) {
   const long long e = routed_id(ids, ids_bytes, p);
   const long long* r = b.rows[bank] + (e < 0 ? 0 : e) * 8;
   out[0] = r[0];
   out[1] = r[1];
   out[2] = r[2];
   out[3] = r[3];
-  out[4] = p / x_row_div;
+  out[4] = p / b.x_row_div[bank];
   out[5] = b.item0[bank] + p * b.items[bank];
   out[6] = b.col0[bank] + p * b.cols[bank];
   out[7] = b.base0[bank] + p * b.part[bank];
 }
 
-__global__ void routed_tables_kernel(RoutedBanks b, const void* ids, int ids_bytes, int pairs, int x_row_div,
+__global__ void routed_tables_kernel(RoutedBanks b, const void* ids, int ids_bytes, int pairs,
                                      long long* __restrict__ table) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
   const int bank = blockIdx.y;
-  if (p < pairs) routed_source(b, bank, ids, ids_bytes, p, x_row_div, table + ((long long)bank * pairs + p) * 8);
+  if (p < pairs) routed_source(b, bank, ids, ids_bytes, p, table + ((long long)bank * pairs + p) * 8);
 }
 
 // MoE glue around the routed GEMMs, one launch each (the torch ops they replace cost a launch apiece: at decode
@@ -733,29 +734,30 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   return (int)cudaGetLastError();
 }
 
-// Every bank's rows of a routed group table in one launch (table: int64 [banks * pairs, 8], bank by bank).
-// `params` is host memory, 7 int64 per bank: rows pointer, item0, col0, base0, items, cols, part. `on_host` = 1
-// runs the same code on host memory (tests).
-int exl3_routed_tables(const long long* params, int banks, const void* ids, int ids_bytes, int pairs, int x_row_div,
-                       void* table, int on_host, void* stream) {
-  if (banks <= 0 || banks > kMaxRoutedBanks || pairs < 0 || x_row_div <= 0 || (ids_bytes != 4 && ids_bytes != 8))
-    return -3;
+// Every bank's rows of routed group tables in one launch (table: int64 [banks * pairs, 8], bank by bank; the banks
+// of several groups, e.g. gate/up then down, each group's offsets starting at 0). `params` is host memory, 8 int64
+// per bank: rows pointer, item0, col0, base0, items, cols, part, x_row_div. `on_host` = 1 runs the same code on
+// host memory (tests).
+int exl3_routed_tables(const long long* params, int banks, const void* ids, int ids_bytes, int pairs, void* table,
+                       int on_host, void* stream) {
+  if (banks <= 0 || banks > kMaxRoutedBanks || pairs < 0 || (ids_bytes != 4 && ids_bytes != 8)) return -3;
   if (pairs == 0) return 0;
   RoutedBanks b{};
   for (int i = 0; i < banks; ++i) {
-    const long long* q = params + i * 7;
-    if (!q[0] || q[4] <= 0 || q[5] <= 0 || q[6] <= 0) return -3;
+    const long long* q = params + i * 8;
+    if (!q[0] || q[4] <= 0 || q[5] <= 0 || q[6] <= 0 || q[7] <= 0) return -3;
     b.rows[i] = (const long long*)q[0];
     b.item0[i] = q[1]; b.col0[i] = q[2]; b.base0[i] = q[3]; b.items[i] = q[4]; b.cols[i] = q[5]; b.part[i] = q[6];
+    b.x_row_div[i] = (int)q[7];
   }
   auto out = (long long*)table;
   if (on_host) {
     for (int i = 0; i < banks; ++i)
-      for (int p = 0; p < pairs; ++p) routed_source(b, i, ids, ids_bytes, p, x_row_div, out + ((long long)i * pairs + p) * 8);
+      for (int p = 0; p < pairs; ++p) routed_source(b, i, ids, ids_bytes, p, out + ((long long)i * pairs + p) * 8);
     return 0;
   }
   const dim3 grid((pairs + 127) / 128, banks);
-  routed_tables_kernel<<<grid, 128, 0, (cudaStream_t)stream>>>(b, ids, ids_bytes, pairs, x_row_div, out);
+  routed_tables_kernel<<<grid, 128, 0, (cudaStream_t)stream>>>(b, ids, ids_bytes, pairs, out);
   return (int)cudaGetLastError();
 }
 
@@ -814,7 +816,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 5; }
+int exl3_abi_version(void) { return 6; }
 
 const char* exl3_error_string(int code) {
   switch (code) {

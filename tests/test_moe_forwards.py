@@ -1,7 +1,7 @@
-"""Expert-sorted MoE tiles (kernels/moe_sorted.py) on the CPU: the plan's placement of every (token, expert) pair,
-the group table the kernels read, and the whole forward against the codec, with the three group launches
-emulated from the table (what the CUDA kernels compute per source, through the codec) and the glue kernels'
-own code run on the host."""
+"""Our MoE forwards on the CPU: expert-sorted tiles (kernels/moe_sorted.py: the plan's placement of every
+(token, expert) pair, the group table the kernels read) and per-pair sources (kernels/moe_routed.py), each whole
+forward against the codec, with the group launches emulated from the tables (what the CUDA kernels compute per
+source, through the codec) and the table and glue kernels' own code run on the host."""
 
 from __future__ import annotations
 
@@ -97,8 +97,10 @@ def compiled_lib(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["sorted", "routed"])
 @pytest.mark.parametrize("tokens, topk, gelu", [(7, 2, False), (20, 3, True)])
-def test_sorted_forward_equals_the_codec(compiled_lib, monkeypatch, tokens, topk, gelu):
+def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, topk, gelu):
+    from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
 
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
@@ -123,7 +125,11 @@ def test_sorted_forward_equals_the_codec(compiled_lib, monkeypatch, tokens, topk
     x = torch.randn(tokens, hidden, generator=gen).half()
     ids = _routing(tokens, topk, experts, seed=tokens + 1)
     w = torch.rand(tokens, topk, generator=gen)
-    got = sorted_moe(x, ids, w, *banks, gelu, run=_emulated_group(by_ptr, cb))
+    run = _emulated_group(by_ptr, cb)
+    if path == "sorted":
+        got = sorted_moe(x, ids, w, *banks, gelu, run=run)
+    else:
+        got = routed_moe(x, ids, w, *banks, gelu, run=run, build=ck.routed_table_builder(on_host=True))
 
     act = (lambda g: torch.nn.functional.gelu(g, approximate="tanh")) if gelu else torch.nn.functional.silu
     want = torch.zeros(tokens, hidden)
