@@ -9,6 +9,7 @@
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
 # parity-moe / parity-rs / parity-pw      serving parity: exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; a dense Llama with piecewise prefill graphs
+# e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
 # ~50 s per bitrate (6 m values); one parity checkpoint ~3.5 min for the first server of a machine (SGLang's JIT
@@ -94,6 +95,13 @@ run_step() {
     site_env
     parity pw --ckpt tiny-llama-mul1-4bpw --extra="--cuda-graph-backend-prefill tc_piecewise"
     grep -ho "cuda_graph_backend_prefill='[^']*'" "$work"/pw/server-*-exl3.log | head -1
+    ;;
+  e2e-moe)
+    site_env
+    stop_servers
+    timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --shape qwen3-30b-a3b --bits 4 --backend cuda --skip-bf16 \
+      --workdir /tmp/e2e 2>&1 | tee "$work/e2e.txt" | tail -20
+    cp benchmarks/results/e2e-qwen3-30b-a3b-* "$work/" 2>/dev/null
     ;;
   *)
     echo "unknown step $1" >&2
