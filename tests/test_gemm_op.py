@@ -105,7 +105,8 @@ def test_group_only_for_sources_that_can_share_launches():
         group_shards([shard(256), shard(128)], Backend.CUDA)
 
 
-def test_moe_routed_op_fake_shape():
+@pytest.mark.parametrize("op", ["moe_routed", "moe_sorted"])
+def test_moe_ops_fake_shape(op):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
@@ -113,7 +114,7 @@ def test_moe_routed_op_fake_shape():
         ids = mode.from_tensor(torch.zeros(3, 2, dtype=torch.int64))
         w = mode.from_tensor(torch.rand(3, 2))
         rows = mode.from_tensor(torch.zeros(4, 8, dtype=torch.int64))
-        y = torch.ops.exl3.moe_routed(x, ids, w, rows, rows, rows, [16, 16, 4, 6, 1], [16, 16, 4, 6, 1], False)
+        y = getattr(torch.ops.exl3, op)(x, ids, w, rows, rows, rows, [16, 16, 4, 6, 1], [16, 16, 4, 6, 1], False)
     assert tuple(y.shape) == (3, 256) and y.dtype == torch.float32
 
 
