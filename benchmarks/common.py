@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import platform
-import socket
 import sys
 from pathlib import Path
 
@@ -36,14 +35,13 @@ def publish_sglang_args() -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
+    from sglang_exl3.integration.server import free_port
+
     load_plugins()
     tiny = Path(__file__).resolve().parents[1] / "tests/data/exllamav3/tiny-llama-mul1-4bpw"
     set_global_server_args_for_scheduler(ServerArgs(model_path=str(tiny)))
-    with socket.socket() as probe:  # a free port for the one-rank process group fused_experts asks for
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     initialize_model_parallel(tensor_model_parallel_size=1)
 
 

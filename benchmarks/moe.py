@@ -56,25 +56,18 @@ def random_expert_tensors(bits: int):
 
 
 def checkpoint_expert_tensors(ckpt: Path):
-    """The same, read from layer 0 of a checkpoint (the weights exllamav3 loads for its column)."""
-    from safetensors import safe_open
+    """The same, read from layer 0 of a checkpoint (the weights exllamav3 loads for its column), through the
+    product's own validated checkpoint reader."""
+    from sglang_exl3.format import load_checkpoint
 
-    files = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            files.update(dict.fromkeys(h.keys(), f))
-
-    def get(name):
-        with safe_open(files[name], "pt") as h:
-            return h.get_tensor(name)
-
+    checkpoint = load_checkpoint(ckpt)
     out = []
     for e in range(EXPERTS):
         roles = {}
         for role, proj in PROJ.items():
-            p = f"model.layers.0.mlp.experts.{e}.{proj}"
-            cb = Codebook.MCG if f"{p}.mcg" in files else Codebook.MUL1 if f"{p}.mul1" in files else Codebook.INST3
-            roles[role] = (get(f"{p}.trellis"), get(f"{p}.suh").half(), get(f"{p}.svh").half(), cb)
+            key = f"model.layers.0.mlp.experts.{e}.{proj}"
+            t = checkpoint.load_module(key)
+            roles[role] = (t["trellis"], t["suh"].half(), t["svh"].half(), checkpoint.modules[key].codebook)
         out.append(roles)
     return out
 

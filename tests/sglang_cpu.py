@@ -9,17 +9,12 @@ the CPU, which it does.
 from __future__ import annotations
 
 import glob
-import socket
 from functools import cache
 from pathlib import Path
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang_exl3.integration.server import free_port
 
 
 @cache
@@ -39,7 +34,7 @@ def _runtime() -> None:
                       sampling_backend="pytorch")
     set_global_server_args_for_scheduler(args)
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     initialize_model_parallel(tensor_model_parallel_size=1)
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.dp_attention import initialize_dp_attention

@@ -16,6 +16,13 @@ from pathlib import Path
 DEFAULT_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now (for a server or a process group's rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(model_path: str | Path, port: int, extra: list[str] | tuple[str, ...] = (),
            env: dict[str, str] | None = None, log_path: str | Path | None = None) -> subprocess.Popen:
     """Start a server in its own session. A port that is already taken is refused here: otherwise a server left

@@ -497,6 +497,15 @@ def _torch_routed_rows(banks: list[Exl3ExpertBank], ids: torch.Tensor, params: l
         out[:, 7] = base0 + arange * part
 
 
+def flat_routing_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """[tokens * top-k] routing ids as the MoE kernels read them: SGLang's int32 (or int64) as they come, anything
+    else as int32; ids below 0 (another expert-parallel rank's experts) are kept, the kernels skip them."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int32)
+    return ids.contiguous()
+
+
 def _ids_bytes(ids: torch.Tensor) -> int:
     if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous():
         raise ValueError(f"routing ids must be contiguous int32 or int64, got {ids.dtype}")

@@ -9,6 +9,7 @@ import torch
 from sglang_exl3.kernels.cuda_trellis import (
     Exl3ExpertBank,
     act_mul,
+    flat_routing_ids,
     group_run,
     moe_combine,
     routed_table_builder,
@@ -22,10 +23,7 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     expert-parallel rank's, weight 0). `run` runs a group table and `build` fills the tables (tests pass an
     emulator of the kernels and the host-run table code)."""
     m, topk = topk_ids.shape
-    ids = topk_ids.reshape(-1)  # as routed (int32 from SGLang): the kernels read it, and skip ids below 0
-    if ids.dtype not in (torch.int32, torch.int64):
-        ids = ids.to(torch.int32)
-    ids = ids.contiguous()
+    ids = flat_routing_ids(topk_ids)
     pairs, inter, hidden = ids.numel(), gate.n_tiles * 16, down.n_tiles * 16
     if pairs == 0:
         return x.new_zeros((m, hidden), dtype=torch.float32)

@@ -18,6 +18,7 @@ import torch
 from sglang_exl3.kernels.cuda_trellis import (
     Exl3ExpertBank,
     act_mul,
+    flat_routing_ids,
     group_run,
     moe_combine,
     pack_tiles_splits,
@@ -81,17 +82,16 @@ def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.T
     item_off = torch.zeros((), dtype=torch.int64, device=dev)
     items_total = cols_total = part_total = 0
     for i, b in enumerate(banks):
-        items, cols = b.n_tiles, b.n_tiles * 16
-        part = cols
+        items, cols = b.n_tiles, b.n_tiles * 16  # unsplit: one item per column tile, partials one [tile, N] block
         out = table[i * s:(i + 1) * s]
         out[:, :3] = b.rows.index_select(0, plan.experts)[:, :3]
         out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, 1), pack_tiles_splits(0, 1))
         out[:, 4] = src * plan.tile
         out[:, 5] = item_off + torch.minimum(src, plan.filled) * items
         out[:, 6] = cols_total + src * cols
-        out[:, 7] = part_total + src * part
+        out[:, 7] = part_total + src * cols
         item_off = item_off + plan.filled * items
-        items_total, cols_total, part_total = items_total + s * items, cols_total + s * cols, part_total + s * part
+        items_total, cols_total, part_total = items_total + s * items, cols_total + s * cols, part_total + s * cols
     return table, items_total, cols_total, part_total
 
 
@@ -101,9 +101,7 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `run` runs a
     group table (tests pass an emulator of the kernels)."""
     m, topk = topk_ids.shape
-    ids = topk_ids.reshape(-1).contiguous()
-    if ids.dtype not in (torch.int32, torch.int64):
-        ids = ids.to(torch.int32)
+    ids = flat_routing_ids(topk_ids)
     experts = gate.rows.shape[0]
     plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
     tile = plan.tile

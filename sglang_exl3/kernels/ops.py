@@ -1,7 +1,7 @@
 """Registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise graphs trace
 through them and CUDA graphs capture them: `torch.ops.exl3.gemm` (one EXL3 linear), `torch.ops.exl3.gemm_group`
-(same-input sources such as q/k/v run as one) and `torch.ops.exl3.moe_routed` (MoE experts on their routed
-tokens only).
+(same-input sources such as q/k/v run as one), and `torch.ops.exl3.moe_routed` / `moe_sorted` (MoE experts on
+their routed tokens only: one source per (token, expert) pair, or per tile of expert-sorted rows).
 
 y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
 Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.

@@ -5,7 +5,7 @@ bitrates). Per tier and role the experts' weights are stacked into one tensor (e
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
 - routed (few rows): `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair, table
   built on the device; once pairs share experts, `torch.ops.exl3.moe_sorted` (kernels/moe_sorted.py: pairs
-  sorted by expert into tiles of 8 rows, one source per tile); pairs routed to another tier (or another EP
+  sorted by expert into tiles of 8-64 rows, one source per tile); pairs routed to another tier (or another EP
   rank) carry id -1 and weigh 0.
 - dense (from dense_min_rows(experts, top-k) rows): every expert decoded into the model's fp16 slab in
   fused_experts' layout (five launches per tier and role), tier by tier; ids remapped to slab positions;
