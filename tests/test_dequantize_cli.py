@@ -182,3 +182,12 @@ def test_dequantize_rank_sliced_joins_the_slices_into_whole_experts(tmp_path):
     assert "hybrid_tr3_tail" not in json.loads((tmp_path / "dq-rs" / "config.json").read_text())
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "dq-rs", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("option, value", [("--layers", "-1"), ("--layers", "0"), ("--kv-heads", "two")])
+def test_write_fixture_refuses_a_non_positive_override(tmp_path, option, value):
+    """A shape override must be a positive count: said by argparse, naming the option, and nothing is written."""
+    out = tmp_path / "fixture"
+    r = run("write-fixture", str(out), option, value)
+    assert r.returncode == 2 and f"argument {option}: must be a positive integer" in r.stderr
+    assert not out.exists()

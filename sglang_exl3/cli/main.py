@@ -81,6 +81,17 @@ def _build_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type for counts that override a shape (0 = keep the shape's own is the option's default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sglang_exl3", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -106,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--head-bits", type=float, default=6)
     w.add_argument("--codebook", choices=["mul1", "mcg", "3inst"], default="mul1")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--kv-heads", type=int, default=0, help="override the shape's KV-head count (1: tp > KV heads)")
-    w.add_argument("--layers", type=int, default=0, help="override the shape's layer count (1: a one-layer model "
-                   "for per-layer benchmarks)")
+    w.add_argument("--kv-heads", type=_positive_int, default=0,
+                   help="override the shape's KV-head count (1: tp > KV heads)")
+    w.add_argument("--layers", type=_positive_int, default=0,
+                   help="override the shape's layer count (1: a one-layer model for per-layer benchmarks)")
     w.add_argument("--rank-sliced-tp", type=int, default=0,
                    help="write routed experts in the reference's rank-sliced layout (hybrid_tr3_tail) for this TP")
     w.add_argument("--rotation-layout", choices=["per_expert_v1", "shared_h_v1"], default="per_expert_v1")
