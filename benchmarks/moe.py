@@ -43,7 +43,7 @@ ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
-                 "ours_sorted_us", "ours_dense_us"]
+                 "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -142,6 +142,8 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
+    from sglang_exl3.kernels.moe_routed import routed_moe
+    from sglang_exl3.kernels.moe_sorted import sorted_moe
     from sglang_exl3.layers.moe_kernels import dense_forward
 
     theirs = None
@@ -182,10 +184,10 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
         if both_paths:  # each forward at every m: where the pairs/sorted/dense crossovers really lie
-            def by_op(op, xs=xs, routes=routes):
+            def forward(fn, xs=xs, routes=routes, **kw):
                 def run(i):
                     w, ids, _ = routes[i]
-                    return op(xs[i], ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)
+                    return fn(xs[i], ids, w, gate, up, down, False, **kw)
                 return run
 
             def dense(i, xs=xs, routes=routes):
@@ -193,8 +195,9 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                 return dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids,
                                      method.moe_runner_config)
 
-            row["ours_pairs_us"] = graph_us(by_op(torch.ops.exl3.moe_routed), ROUTINGS, calls=ROUTINGS)
-            row["ours_sorted_us"] = graph_us(by_op(torch.ops.exl3.moe_sorted), ROUTINGS, calls=ROUTINGS)
+            for name, fn in (("pairs", routed_moe), ("sorted", sorted_moe)):  # fused, and stage by stage
+                row[f"ours_{name}_us"] = graph_us(forward(fn), ROUTINGS, calls=ROUTINGS)
+                row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs

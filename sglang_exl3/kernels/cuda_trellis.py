@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 6
+ABI_VERSION = 7
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -154,6 +154,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
+    lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
+                                   p, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -579,6 +581,51 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
     _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
                                             out.data_ptr(), m, k_tiles, total_items, total_cols, k2, codebook,
                                             _stream(x)), "group linear")
+    return out
+
+
+@dataclass(frozen=True)
+class MoeTables:
+    """The two group tables of one MoE forward: `gate_up` holds S gate sources then S up sources, `down` S sources,
+    each source `rows` rows (per pair: 1; sorted: a tile); items and partials are the tables' static totals."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    sources: int
+    rows: int
+    gate_up_items: int
+    gate_up_partial: int
+    down_items: int
+    down_partial: int
+
+
+def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Exl3ExpertBank,
+              weights: torch.Tensor, ids: torch.Tensor, topk: int, gelu: bool,
+              pair_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [tokens, H]: a whole MoE forward over prepared tables in five launches (input rotation, gate/up GEMM,
+    output rotations + act * up + the down projection's input rotation, down GEMM, output rotation + weighted top-k
+    combine), every fp16 rounding of the unfused stages kept. x fp16 or bf16 (rounded to fp16 as a cast would);
+    pair p's down row is pair_rows[p] (int64; None: p)."""
+    pairs = ids.numel()
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or x.shape[1] != gate.k_tiles * 16 or \
+            weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or \
+            (pair_rows is not None and (pair_rows.dtype != torch.int64 or pair_rows.numel() != pairs)):
+        raise ValueError(f"moe_fused: fp16/bf16 x [*, {gate.k_tiles * 16}], fp32 weights and ids (and int64 pair "
+                         f"rows) of tokens * {topk} pairs; got x {x.dtype} {tuple(x.shape)}, weights "
+                         f"{weights.dtype} {weights.numel()}, {pairs} ids")
+    x, weights = x.contiguous(), weights.contiguous()
+    t, dev = tables, x.device
+    hidden, inter = gate.k_tiles * 16, gate.n_tiles * 16
+    xh_gu = torch.empty(2 * t.sources, t.rows, hidden, dtype=torch.float16, device=dev)
+    partial_gu = torch.empty(t.gate_up_partial * t.rows, dtype=torch.float32, device=dev)
+    xh_dn = torch.empty(t.sources, t.rows, inter, dtype=torch.float16, device=dev)
+    partial_dn = torch.empty(t.down_partial * t.rows, dtype=torch.float32, device=dev)
+    out = torch.empty(pairs // topk, down.n_tiles * 16, dtype=torch.float32, device=dev)
+    _check(load_library().exl3_moe_fused(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), t.gate_up.data_ptr(), t.down.data_ptr(), t.sources, t.rows,
+        hidden, inter, t.gate_up_items, t.down_items, gate.k2, gate.codebook, down.k2, down.codebook,
+        xh_gu.data_ptr(), partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
+        None if pair_rows is None else pair_rows.contiguous().data_ptr(), weights.data_ptr(), ids.data_ptr(),
+        _ids_bytes(ids), pairs // topk, topk, int(gelu), out.data_ptr(), _stream(x)), "fused moe")
     return out
 
 

@@ -1,6 +1,7 @@
 """MoE experts per (token, expert) pair: one m = 1 group source per pair (decode: few pairs, mostly distinct
-experts). Six launches for gate/up and down plus three of glue: one table launch for both, act * up, the
-weighted top-k combine. Device ops only, so CUDA graphs capture it."""
+experts). One table launch for both projections, then the fused forward's five launches (`moe_fused`), or unfused:
+three launches per projection with act * up and the weighted top-k combine between and after them. Device ops
+only, so CUDA graphs capture it."""
 
 from __future__ import annotations
 
@@ -8,20 +9,24 @@ import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
     Exl3ExpertBank,
+    MoeTables,
     act_mul,
     flat_routing_ids,
     group_run,
     moe_combine,
+    moe_fused,
     routed_table_builder,
     routed_tables,
 )
 
 
 def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
-               up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, run=group_run, build=None) -> torch.Tensor:
+               up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, run=group_run, build=None,
+               fused: bool = True) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j] (ids below 0: another
-    expert-parallel rank's, weight 0). `run` runs a group table and `build` fills the tables (tests pass an
-    emulator of the kernels and the host-run table code)."""
+    expert-parallel rank's, weight 0). `fused`: the five-launch forward (x fp16 or bf16); else the stages one by one
+    (x fp16), where `run` runs a group table and `build` fills the tables (tests pass an emulator of the kernels and
+    the host-run table code)."""
     m, topk = topk_ids.shape
     ids = flat_routing_ids(topk_ids)
     pairs, inter, hidden = ids.numel(), gate.n_tiles * 16, down.n_tiles * 16
@@ -29,9 +34,15 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         return x.new_zeros((m, hidden), dtype=torch.float32)
     # both launches' tables in one launch: gate/up read token rows (pair // top-k), down reads pair rows
     table, (gu, dn) = routed_tables([([gate, up], topk), ([down], 1)], ids, build or routed_table_builder())
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    if fused:
+        tables = MoeTables(gate_up=table[gu.start:gu.start + gu.num], down=table[dn.start:dn.start + dn.num],
+                           sources=pairs, rows=1, gate_up_items=gu.items, gate_up_partial=gu.partial,
+                           down_items=dn.items, down_partial=dn.partial)
+        return moe_fused(x, tables, gate, down, weights, ids, topk, gelu)
     gate_up = run(x, table[gu.start:gu.start + gu.num], gu.num, 1, gate.k_tiles, gu.items, gu.cols, gu.partial,
                   gate.k2, gate.codebook)  # [1, 2 * P * I]
     act = act_mul(gate_up, pairs, inter, gelu)  # [P, I]
     y = run(act, table[dn.start:dn.start + dn.num], dn.num, 1, down.k_tiles, dn.items, dn.cols, dn.partial, down.k2,
             down.codebook)  # [1, P * H]
-    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk, hidden)
+    return moe_combine(y, weights, ids, topk, hidden)

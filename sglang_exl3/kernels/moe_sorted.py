@@ -17,10 +17,12 @@ import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
     Exl3ExpertBank,
+    MoeTables,
     act_mul,
     flat_routing_ids,
     group_run,
     moe_combine,
+    moe_fused,
     pack_tiles_splits,
 )
 
@@ -97,23 +99,29 @@ def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.T
 
 def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
                up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int | None = None,
-               run=group_run) -> torch.Tensor:
-    """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `run` runs a
-    group table (tests pass an emulator of the kernels)."""
+               run=group_run, fused: bool = True) -> torch.Tensor:
+    """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `fused`: the
+    five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
+    (tests pass an emulator of the kernels)."""
     m, topk = topk_ids.shape
     ids = flat_routing_ids(topk_ids)
     experts = gate.rows.shape[0]
     plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
     tile = plan.tile
     s, inter, hidden = plan.sources, gate.n_tiles * 16, down.n_tiles * 16
-    xs = torch.empty(s * tile + 1, x.shape[1], dtype=torch.float16, device=x.device)  # + the dump row
+    xs = torch.empty(s * tile + 1, x.shape[1], dtype=x.dtype if fused else torch.float16, device=x.device)
     token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
-    xs.index_copy_(0, plan.rows, x.index_select(0, token))
-    table, items, cols, part = sorted_table([gate, up], plan)
-    gate_up = run(xs, table, 2 * s, tile, gate.k_tiles, items, cols, part, gate.k2, gate.codebook)
+    xs.index_copy_(0, plan.rows, x.index_select(0, token).to(xs.dtype))  # + the dump row for ids below 0
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
+    dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
+    if fused:
+        tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
+                           gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part)
+        return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
+    gate_up = run(xs, gu_table, 2 * s, tile, gate.k_tiles, gu_items, gu_cols, gu_part, gate.k2, gate.codebook)
     act = act_mul(gate_up, s, inter, gelu)  # [S * tile, I]: source-major, the sorted row order again
-    table, items, cols, part = sorted_table([down], plan)
-    y = run(act, table, s, tile, down.k_tiles, items, cols, part, down.k2, down.codebook)  # [tile, S * H]
+    y = run(act, dn_table, s, tile, down.k_tiles, dn_items, dn_cols, dn_part, down.k2, down.codebook)  # [tile, S * H]
     offsets = (plan.rows % tile) * (s * hidden) + torch.div(plan.rows, tile, rounding_mode="floor") * hidden
     offsets = torch.where(ids >= 0, offsets, 0)
-    return moe_combine(y, topk_weights.reshape(-1).to(torch.float32), ids, topk, hidden, rows=offsets)
+    return moe_combine(y, weights, ids, topk, hidden, rows=offsets)

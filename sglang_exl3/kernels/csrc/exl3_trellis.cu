@@ -13,6 +13,7 @@
 // 16-bit state ends at bit floor((p+1)*K2/2) of a ring of 128*K2 bits. Lane t therefore needs bits
 // [4t*K2 + K2/2 - 16, 4t*K2 + 4*K2) of the ring: two to four words, whose offsets are fixed per lane.
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -508,12 +509,10 @@ __device__ __forceinline__ void butterfly128(float (&v)[4], int lane) {
   }
 }
 
-// fp16(r_scale * H(fp16(x * suh))) of one 128-block (lane holds 4 consecutive elements)
-__device__ __forceinline__ void had_in_block(const half* __restrict__ x, const half* __restrict__ suh,
-                                             half* __restrict__ out, int lane) {
-  const uint2 xv = *reinterpret_cast<const uint2*>(x + lane * 4);
+// fp16(r_scale * H(fp16(x * suh))) of one 128-block held in registers (lane: 4 consecutive elements)
+__device__ __forceinline__ void had_in_values(const half (&xp)[4], const half* __restrict__ suh,
+                                              half* __restrict__ out, int lane) {
   const uint2 sv = *reinterpret_cast<const uint2*>(suh + lane * 4);
-  const half* xp = reinterpret_cast<const half*>(&xv);
   const half* sp = reinterpret_cast<const half*>(&sv);
   float v[4];
 #pragma unroll
@@ -526,10 +525,33 @@ __device__ __forceinline__ void had_in_block(const half* __restrict__ x, const h
   *reinterpret_cast<uint2*>(out + lane * 4) = o;
 }
 
-// fp16(fp16(r_scale * H(sum_s acc[s])) * svh) of one 128-block; acc points at split 0, splits split_stride apart
+// 4 consecutive inputs as fp16: bf16 is rounded to fp16 first, exactly what casting x to fp16 beforehand does
+__device__ __forceinline__ void load4_fp16(const half* __restrict__ x, half (&v)[4]) {
+  const uint2 xv = *reinterpret_cast<const uint2*>(x);
+  const half* xp = reinterpret_cast<const half*>(&xv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = xp[i];
+}
+__device__ __forceinline__ void load4_fp16(const __nv_bfloat16* __restrict__ x, half (&v)[4]) {
+  const uint2 xv = *reinterpret_cast<const uint2*>(x);
+  const __nv_bfloat16* xp = reinterpret_cast<const __nv_bfloat16*>(&xv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __float2half_rn(__bfloat162float(xp[i]));
+}
+
 template <typename T>
-__device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t split_stride, int splits,
-                                              const half* __restrict__ svh, half* __restrict__ out, int lane) {
+__device__ __forceinline__ void had_in_block(const T* __restrict__ x, const half* __restrict__ suh,
+                                             half* __restrict__ out, int lane) {
+  half v[4];
+  load4_fp16(x + lane * 4, v);
+  had_in_values(v, suh, out, lane);
+}
+
+// fp16(fp16(r_scale * H(sum_s acc[s])) * svh) of one 128-block into registers (lane: 4 consecutive elements);
+// acc points at split 0, splits split_stride apart
+template <typename T>
+__device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t split_stride, int splits,
+                                               const half* __restrict__ svh, int lane, half (&op)[4]) {
   float v[4] = {0.f, 0.f, 0.f, 0.f};
   const T* p = acc + lane * 4;
   int s = 0;
@@ -550,11 +572,17 @@ __device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t 
   butterfly128(v, lane);
   const uint2 sv = *reinterpret_cast<const uint2*>(svh + lane * 4);
   const half* sp = reinterpret_cast<const half*>(&sv);
-  uint2 o;
-  half* op = reinterpret_cast<half*>(&o);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     op[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sp[i]));
+}
+
+template <typename T>
+__device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t split_stride, int splits,
+                                              const half* __restrict__ svh, half* __restrict__ out, int lane) {
+  uint2 o;
+  half(&op)[4] = *reinterpret_cast<half(*)[4]>(&o);
+  had_out_values(acc, split_stride, splits, svh, lane, op);
   *reinterpret_cast<uint2*>(out + lane * 4) = o;
 }
 
@@ -581,7 +609,8 @@ __global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict
 }
 
 // Group: xh_all[s, r, :] = had_in(x[x_row_s + r, :], suh_s) for every source s
-__global__ void had_in_group_kernel(const half* __restrict__ x, const GroupSource* __restrict__ srcs, int num,
+template <typename T>
+__global__ void had_in_group_kernel(const T* __restrict__ x, const GroupSource* __restrict__ srcs, int num,
                                     half* __restrict__ xh_all, int rows, int cols) {
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128, per_source = rows * blocks;
@@ -606,6 +635,57 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
   const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
   had_out_block(acc, (size_t)rows * n, src.splits, src.svh + c0, out + (size_t)r * total_cols + col,
                 threadIdx.x & 31);
+}
+
+// ---- fused MoE stages: the glue between the grouped GEMMs folded into their rotations ------------------
+// Sources of a MoE forward: S gate sources, then S up sources in one table (gu), S down sources in another (dn),
+// each source `rows` rows (per-pair: rows = 1, source p = pair p; sorted: a tile of rows). Source s's rows of the
+// activation are the down projection's rows s * rows + r, so one warp per (source, row, 128 columns) can rotate
+// gate's and up's partials, apply the activation and rotate the result into the down projection's input: the
+// output rotation, act_mul and the input rotation become one launch, with every fp16 rounding of the unfused path.
+__global__ void moe_mid_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ gu,
+                               const GroupSource* __restrict__ dn, int sources, int rows, int n,
+                               half* __restrict__ xh_dn, int gelu) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = n / 128, per_source = rows * blocks, lane = threadIdx.x & 31;
+  if (item >= sources * per_source) return;
+  const int s = item / per_source, r = (item % per_source) / blocks, c0 = (item % blocks) * 128;
+  const GroupSource& g = gu[s];
+  const GroupSource& u = gu[sources + s];
+  if (g.n_tiles == 0) return;  // empty source (sorted tables): its down source is empty too
+  const size_t stride = (size_t)rows * n, at = (size_t)r * n + c0;
+  half gv[4], uv[4], a[4];
+  had_out_values(partial + g.partial_base * rows + at, stride, g.splits, g.svh + c0, lane, gv);
+  had_out_values(partial + u.partial_base * rows + at, stride, u.splits, u.svh + c0, lane, uv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = __float2half_rn(moe_act(__half2float(gv[i]), gelu) * __half2float(uv[i]));
+  had_in_values(a, dn[s].suh + c0, xh_dn + ((size_t)s * rows + r) * n + c0, lane);
+}
+
+// out[t, c] (fp32) = sum over j < top-k, in order, of w[p] * y_p[c], p = t * top-k + j, ids below 0 skipped, where
+// y_p is pair p's row of the down projection, rotated here from its partials: the output rotation and the combine
+// as one launch. Pair p's row is q = pair_rows[p] (null: p): source q / rows, row q % rows.
+__global__ void moe_tail_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ dn,
+                                const long long* __restrict__ pair_rows, int rows, const float* __restrict__ w,
+                                const void* ids, int ids_bytes, float* __restrict__ out, int tokens, int topk,
+                                int h) {
+  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int blocks = h / 128, lane = threadIdx.x & 31;
+  if (item >= tokens * blocks) return;
+  const int t = item / blocks, c0 = (item % blocks) * 128;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < topk; ++j) {
+    const long long p = (long long)t * topk + j;
+    if (routed_id(ids, ids_bytes, p) < 0) continue;
+    const long long q = pair_rows ? pair_rows[p] : p;
+    const GroupSource& src = dn[q / rows];
+    half y[4];
+    had_out_values(partial + src.partial_base * rows + (q % rows) * h + c0, (size_t)rows * h, src.splits,
+                   src.svh + c0, lane, y);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += w[p] * __half2float(y[i]);
+  }
+  *reinterpret_cast<float4*>(out + (size_t)t * h + c0 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
@@ -723,7 +803,7 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
-  had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
+  had_in_group_kernel<half><<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int code = [&]() -> int {
@@ -731,6 +811,49 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   }();
   if (code != 0) return code;
   had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
+  return (int)cudaGetLastError();
+}
+
+// A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
+// stages above): input rotation and GEMM of the 2S gate/up sources, moe_mid, the down GEMM, moe_tail. x fp16 or
+// bf16 [*, H] as the gate/up table's x_row fields address it; out fp32 [tokens, H]. Scratch: xh_gu fp16 [2S, rows,
+// H], partial_gu fp32 (the gate/up table's partials x rows), xh_dn fp16 [S, rows, I], partial_dn fp32 likewise.
+int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* dn_table, int sources, int rows,
+                   int hidden, int inter, int gu_items, int dn_items, int gu_k2, int gu_codebook, int dn_k2,
+                   int dn_codebook, void* xh_gu, void* partial_gu, void* xh_dn, void* partial_dn,
+                   const void* pair_rows, const void* w, const void* ids, int ids_bytes, int tokens, int topk,
+                   int gelu, void* out, void* stream) {
+  if (sources <= 0 || rows <= 0 || rows > 64 || hidden <= 0 || hidden % 128 || inter <= 0 || inter % 128 ||
+      gu_items <= 0 || dn_items <= 0 || tokens <= 0 || topk <= 0 || (ids_bytes != 4 && ids_bytes != 8))
+    return -3;
+  auto s = (cudaStream_t)stream;
+  auto gu = (const GroupSource*)gu_table;
+  auto dn = (const GroupSource*)dn_table;
+  const int in_items = 2 * sources * rows * (hidden / 128);
+  if (x_bf16)
+    had_in_group_kernel<__nv_bfloat16><<<(in_items + 7) / 8, 256, 0, s>>>((const __nv_bfloat16*)x, gu, 2 * sources,
+                                                                          (half*)xh_gu, rows, hidden);
+  else
+    had_in_group_kernel<half><<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, gu, 2 * sources, (half*)xh_gu,
+                                                                 rows, hidden);
+  const half* xg = (const half*)xh_gu;
+  float* pg = (float*)partial_gu;
+  int code = [&]() -> int {
+    EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_gemm_group,
+                  (xg, gu, 2 * sources, pg, rows, hidden / 16, gu_items, s))
+  }();
+  if (code != 0) return code;
+  const int mid_items = sources * rows * (inter / 128);
+  moe_mid_kernel<<<(mid_items + 7) / 8, 256, 0, s>>>(pg, gu, dn, sources, rows, inter, (half*)xh_dn, gelu);
+  const half* xd = (const half*)xh_dn;
+  float* pd = (float*)partial_dn;
+  code = [&]() -> int {
+    EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_gemm_group, (xd, dn, sources, pd, rows, inter / 16, dn_items, s))
+  }();
+  if (code != 0) return code;
+  const int tail_items = tokens * (hidden / 128);
+  moe_tail_kernel<<<(tail_items + 7) / 8, 256, 0, s>>>(pd, dn, (const long long*)pair_rows, rows, (const float*)w,
+                                                       ids, ids_bytes, (float*)out, tokens, topk, hidden);
   return (int)cudaGetLastError();
 }
 
@@ -816,7 +939,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 6; }
+int exl3_abi_version(void) { return 7; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
