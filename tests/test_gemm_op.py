@@ -214,10 +214,19 @@ def test_moe_forward_choice_by_rows(monkeypatch):
 
 
 def test_dense_crossover_scales_with_experts_over_topk():
-    """Measured for Qwen3-30B-A3B (128 experts, top-8): ~600 rows; fewer experts per routed pair cross sooner
-    (Mixtral: 8 experts, top-2), never below the floor."""
+    """Measured for Qwen3-30B-A3B (128 experts, top-8): sorted tiles beat the slab up to m = 4096, crossing near
+    4,800 rows; fewer experts per routed pair cross sooner (Mixtral: 8 experts, top-2), never below the floor."""
     from sglang_exl3.layers.moe_kernels import MIN_DENSE_ROWS, dense_min_rows
 
-    assert 560 <= dense_min_rows(128, 8) <= 640
-    assert dense_min_rows(8, 2) == 152
+    assert 4096 < dense_min_rows(128, 8) <= 5200
+    assert dense_min_rows(8, 2) == 1200
     assert dense_min_rows(1, 2) == MIN_DENSE_ROWS
+
+
+def test_sorted_tiles_from_one_and_a_half_pairs_per_expert():
+    """Measured crossover of per-pair sources and expert-sorted tiles (Qwen3-30B-A3B: pairs win at m = 16, sorted
+    at m = 64): 1.5 pairs per expert, m = 24 there; the tiny test models (4 experts, top-2) sort from m = 3."""
+    from sglang_exl3.layers.moe_kernels import sorted_rows
+
+    assert not sorted_rows(16, 8, 128) and not sorted_rows(23, 8, 128) and sorted_rows(24, 8, 128)
+    assert not sorted_rows(2, 2, 4) and sorted_rows(3, 2, 4)

@@ -28,6 +28,8 @@ def launch(model_path: str | Path, port: int, extra: list[str] | tuple[str, ...]
     """Start a server in its own session. A port that is already taken is refused here: otherwise a server left
     running by an earlier run answers the health check and is mistaken for the new one."""
     with socket.socket() as probe:
+        # as the server binds (SO_REUSEADDR): a port left in TIME_WAIT by the last run's connections is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as e:

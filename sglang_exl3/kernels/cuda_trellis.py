@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 7
+ABI_VERSION = 8
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
@@ -584,6 +584,9 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
     return out
 
 
+MAX_FUSED_TOPK = 32  # moe_tail's shared rows: more experts per token run the MoE stages one by one
+
+
 @dataclass(frozen=True)
 class MoeTables:
     """The two group tables of one MoE forward: `gate_up` holds S gate sources then S up sources, `down` S sources,
@@ -607,11 +610,11 @@ def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Ex
     pair p's down row is pair_rows[p] (int64; None: p)."""
     pairs = ids.numel()
     if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or x.shape[1] != gate.k_tiles * 16 or \
-            weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or \
+            weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or topk > MAX_FUSED_TOPK or \
             (pair_rows is not None and (pair_rows.dtype != torch.int64 or pair_rows.numel() != pairs)):
         raise ValueError(f"moe_fused: fp16/bf16 x [*, {gate.k_tiles * 16}], fp32 weights and ids (and int64 pair "
-                         f"rows) of tokens * {topk} pairs; got x {x.dtype} {tuple(x.shape)}, weights "
-                         f"{weights.dtype} {weights.numel()}, {pairs} ids")
+                         f"rows) of tokens * top-k (<= {MAX_FUSED_TOPK}) pairs; top-k {topk}, got x {x.dtype} "
+                         f"{tuple(x.shape)}, weights {weights.dtype} {weights.numel()}, {pairs} ids")
     x, weights = x.contiguous(), weights.contiguous()
     t, dev = tables, x.device
     hidden, inter = gate.k_tiles * 16, gate.n_tiles * 16

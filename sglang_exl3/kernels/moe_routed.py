@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
+    MAX_FUSED_TOPK,
     Exl3ExpertBank,
     MoeTables,
     act_mul,
@@ -35,7 +36,7 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     # both launches' tables in one launch: gate/up read token rows (pair // top-k), down reads pair rows
     table, (gu, dn) = routed_tables([([gate, up], topk), ([down], 1)], ids, build or routed_table_builder())
     weights = topk_weights.reshape(-1).to(torch.float32)
-    if fused:
+    if fused and topk <= MAX_FUSED_TOPK:
         tables = MoeTables(gate_up=table[gu.start:gu.start + gu.num], down=table[dn.start:dn.start + dn.num],
                            sources=pairs, rows=1, gate_up_items=gu.items, gate_up_partial=gu.partial,
                            down_items=dn.items, down_partial=dn.partial)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
+    MAX_FUSED_TOPK,
     Exl3ExpertBank,
     MoeTables,
     act_mul,
@@ -115,7 +116,7 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     weights = topk_weights.reshape(-1).to(torch.float32)
     gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
     dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
-    if fused:
+    if fused and topk <= MAX_FUSED_TOPK:
         tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
                            gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part)
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)

@@ -23,12 +23,13 @@ from sglang_exl3.kernels.backends import Backend
 from sglang_exl3.layers.linear import Exl3Shard
 
 ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's shard ids)
-# Rows from which the prefill plan decodes every expert into the slab and runs fused_experts instead of routed
-# pairs. Both costs scale with an expert's size, so the crossover is (slab cost per expert / routed cost per
-# (token, expert) pair) x experts / top-k. Measured on the H200, Qwen3-30B-A3B layer (benchmarks/results/
-# moe-h200.md, 2-5 bits alike): the slab costs a flat ~8.9 ms (69 µs per expert), routed pairs 14.6 µs per row of
-# top-8 from m = 16 to 64 (1.83 µs per pair): ratio ~38, crossover ~600 rows. Predicted before measuring: 256.
-SLAB_OVER_PAIR = 38
+# Rows from which the prefill plan decodes every expert into the slab and runs fused_experts instead of the routed
+# forward. Both costs scale with an expert's size, so the crossover is (slab cost per expert / routed cost per
+# (token, expert) pair) x experts / top-k. Measured on the H200, Qwen3-30B-A3B layer, 4 bits (benchmarks/results/
+# moe-h200.md, --both-paths): the slab costs a flat ~8.5-9.3 ms (~70 µs per expert); expert-sorted tiles 0.34 µs
+# per pair at m = 512 and 0.22 µs at m = 4096 (7.1 ms, still below the slab's 9.3 ms): ratio ~300, crossover
+# ~4,800 rows. The fourth session's 38 (~600 rows) was measured against per-pair sources, before sorted tiles.
+SLAB_OVER_PAIR = 300
 MIN_DENSE_ROWS = 32
 
 
@@ -144,9 +145,10 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
 
 def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     """Whether routed rows go to expert-sorted tiles (an expert read once per tile) rather than one source per
-    (token, expert) pair: once there are at least as many pairs as experts, pairs start to share experts.
-    Predicted (Qwen3-30B-A3B, m = 16: ~0.63 E distinct experts for E pairs, ~20 µs of sorting), not measured."""
-    return rows * topk >= experts
+    (token, expert) pair. Measured on the H200 (Qwen3-30B-A3B layer, 4 bits, fused forwards): pairs 261 µs vs
+    sorted 335 µs at m = 16 (128 pairs = E), pairs 941 vs sorted 449 at m = 64 (4 E): linear between them they
+    cross near 1.5 E pairs. Predicted before measuring: at E pairs."""
+    return 2 * rows * topk >= 3 * experts
 
 
 def routed_forward(tiers: ExpertTiers, x16: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

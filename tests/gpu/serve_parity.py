@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
@@ -95,6 +96,11 @@ def compare_positions(a: list, b: list, stats: dict, where: str, excused_from: i
             continue
         if excused_from is not None and pos >= excused_from:
             stats["excused_after_routing_difference"] = stats.get("excused_after_routing_difference", 0) + 1
+            continue
+        bad = [side for side, t in (("exl3", ta), ("fp16", tb)) if any(e[0] is None for e in t)]
+        if bad:  # NaN or inf logprobs reach JSON as null
+            stats["non_finite_positions"] = stats.get("non_finite_positions", 0) + 1
+            stats["failures"].append(f"{where} pos {pos}: non-finite logprob from the {' and '.join(bad)} server")
             continue
         ta, tb = _top(ta), _top(tb)
         va, vb = [v for v, _ in ta], [v for v, _ in tb]
@@ -223,10 +229,10 @@ def main() -> int:
     return 0 if ok else 1
 
 
-# SGLang 0.5.17's Mixtral builds its TopK without a layer id, so `--enable-return-routed-experts` crashes even the
-# plain fp16 server at prefill-graph capture (state_capturer indexes its buffer with layer None). Those
-# checkpoints are compared by the strict rule, without routing-aware excuses.
-NO_ROUTED_CAPTURE = {"MixtralForCausalLM"}
+# Models whose SGLang implementation cannot return routed experts: compared by the strict rule, without
+# routing-aware excuses. (SGLang 0.5.17's Mixtral could not either -- its TopK had no layer id -- until the
+# plugin's `moe_topk_layer_id` hook, which runs in both servers, gave it one.)
+NO_ROUTED_CAPTURE: set[str] = set()
 
 
 def moe_shape(ckpt: Path) -> tuple[int, int] | None:
@@ -289,6 +295,7 @@ def check_model(name: str, index: int, common: list[str], work: Path, out: Path,
         return all(checks.values())
     except Exception as e:  # noqa: BLE001 - recorded in the evidence, then the run fails
         entry["error"] = f"{type(e).__name__}: {e}"
+        entry["traceback"] = traceback.format_exc()
         print(name, "ERROR", entry["error"], flush=True)
         return False
     finally:

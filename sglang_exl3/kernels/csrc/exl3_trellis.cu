@@ -566,9 +566,19 @@ __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t
 #pragma unroll
       for (int i = 0; i < 4; ++i) v[i] += t[j][i];  // same order as one split at a time: deterministic
   }
-  for (; s < splits; ++s)
+  if (s < splits) {  // the last (< 8) splits: every load issued before the first add, summed in the same order
+    float t[7][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] += (float)p[s * split_stride + i];
+    for (int j = 0; j < 7; ++j)
+      if (s + j < splits)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) t[j][i] = (float)p[(s + j) * split_stride + i];
+#pragma unroll
+    for (int j = 0; j < 7; ++j)
+      if (s + j < splits)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] += t[j][i];
+  }
   butterfly128(v, lane);
   const uint2 sv = *reinterpret_cast<const uint2*>(svh + lane * 4);
   const half* sp = reinterpret_cast<const half*>(&sv);
@@ -640,41 +650,52 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
 // ---- fused MoE stages: the glue between the grouped GEMMs folded into their rotations ------------------
 // Sources of a MoE forward: S gate sources, then S up sources in one table (gu), S down sources in another (dn),
 // each source `rows` rows (per-pair: rows = 1, source p = pair p; sorted: a tile of rows). Source s's rows of the
-// activation are the down projection's rows s * rows + r, so one warp per (source, row, 128 columns) can rotate
-// gate's and up's partials, apply the activation and rotate the result into the down projection's input: the
-// output rotation, act_mul and the input rotation become one launch, with every fp16 rounding of the unfused path.
-__global__ void moe_mid_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ gu,
-                               const GroupSource* __restrict__ dn, int sources, int rows, int n,
-                               half* __restrict__ xh_dn, int gelu) {
-  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int blocks = n / 128, per_source = rows * blocks, lane = threadIdx.x & 31;
-  if (item >= sources * per_source) return;
+// activation are the down projection's rows s * rows + r. moe_mid: per (source, row, 128 columns) a pair of warps
+// rotates gate's and up's partials (one each, in parallel), then the gate warp applies the activation and rotates
+// the result into the down projection's input: output rotation, act_mul and input rotation in one launch, with
+// every fp16 rounding of the unfused path.
+constexpr int kMidItems = 4;  // (source, row, block) items per moe_mid block: 2 warps each
+
+__global__ void __launch_bounds__(2 * kMidItems * 32) moe_mid_kernel(
+    const float* __restrict__ partial, const GroupSource* __restrict__ gu, const GroupSource* __restrict__ dn,
+    int sources, int rows, int n, half* __restrict__ xh_dn, int gelu) {
+  __shared__ uint2 up_vals[kMidItems][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slot = warp >> 1, role = warp & 1;
+  const int item = blockIdx.x * kMidItems + slot;
+  const int blocks = n / 128, per_source = rows * blocks;
   const int s = item / per_source, r = (item % per_source) / blocks, c0 = (item % blocks) * 128;
-  const GroupSource& g = gu[s];
-  const GroupSource& u = gu[sources + s];
-  if (g.n_tiles == 0) return;  // empty source (sorted tables): its down source is empty too
-  const size_t stride = (size_t)rows * n, at = (size_t)r * n + c0;
-  half gv[4], uv[4], a[4];
-  had_out_values(partial + g.partial_base * rows + at, stride, g.splits, g.svh + c0, lane, gv);
-  had_out_values(partial + u.partial_base * rows + at, stride, u.splits, u.svh + c0, lane, uv);
+  // empty sources (sorted tables) and the grid's tail do nothing, but still reach the barrier
+  const bool live = item < sources * per_source && gu[s].n_tiles != 0;
+  half v[4];
+  if (live) {
+    const GroupSource& src = gu[role * sources + s];
+    had_out_values(partial + src.partial_base * rows + (size_t)r * n + c0, (size_t)rows * n, src.splits,
+                   src.svh + c0, lane, v);
+    if (role == 1) up_vals[slot][lane] = *reinterpret_cast<const uint2*>(v);
+  }
+  __syncthreads();
+  if (!live || role == 1) return;
+  const uint2 uw = up_vals[slot][lane];
+  const half* uv = reinterpret_cast<const half*>(&uw);
+  half a[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) a[i] = __float2half_rn(moe_act(__half2float(gv[i]), gelu) * __half2float(uv[i]));
+  for (int i = 0; i < 4; ++i) a[i] = __float2half_rn(moe_act(__half2float(v[i]), gelu) * __half2float(uv[i]));
   had_in_values(a, dn[s].suh + c0, xh_dn + ((size_t)s * rows + r) * n + c0, lane);
 }
 
-// out[t, c] (fp32) = sum over j < top-k, in order, of w[p] * y_p[c], p = t * top-k + j, ids below 0 skipped, where
-// y_p is pair p's row of the down projection, rotated here from its partials: the output rotation and the combine
-// as one launch. Pair p's row is q = pair_rows[p] (null: p): source q / rows, row q % rows.
-__global__ void moe_tail_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ dn,
-                                const long long* __restrict__ pair_rows, int rows, const float* __restrict__ w,
-                                const void* ids, int ids_bytes, float* __restrict__ out, int tokens, int topk,
-                                int h) {
-  const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int blocks = h / 128, lane = threadIdx.x & 31;
-  if (item >= tokens * blocks) return;
-  const int t = item / blocks, c0 = (item % blocks) * 128;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < topk; ++j) {
+// moe_tail: out[t, c] (fp32) = sum over j < top-k, in order, of w[p] * y_p[c], p = t * top-k + j, ids below 0
+// skipped, where y_p is pair p's row of the down projection rotated here from its partials: output rotation and
+// combine in one launch. One block per (token, 128 columns), its warps rotate the top-k rows in parallel, one warp
+// sums them in order. Pair p's row is q = pair_rows[p] (null: p): source q / rows, row q % rows.
+constexpr int kMaxFusedTopk = 32;
+
+__global__ void __launch_bounds__(256) moe_tail_kernel(
+    const float* __restrict__ partial, const GroupSource* __restrict__ dn, const long long* __restrict__ pair_rows,
+    int rows, const float* __restrict__ w, const void* ids, int ids_bytes, float* __restrict__ out, int topk, int h) {
+  __shared__ uint2 ys[kMaxFusedTopk][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int blocks = h / 128, t = blockIdx.x / blocks, c0 = (blockIdx.x % blocks) * 128;
+  for (int j = warp; j < topk; j += warps) {
     const long long p = (long long)t * topk + j;
     if (routed_id(ids, ids_bytes, p) < 0) continue;
     const long long q = pair_rows ? pair_rows[p] : p;
@@ -682,6 +703,16 @@ __global__ void moe_tail_kernel(const float* __restrict__ partial, const GroupSo
     half y[4];
     had_out_values(partial + src.partial_base * rows + (q % rows) * h + c0, (size_t)rows * h, src.splits,
                    src.svh + c0, lane, y);
+    ys[j][lane] = *reinterpret_cast<const uint2*>(y);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < topk; ++j) {
+    const long long p = (long long)t * topk + j;
+    if (routed_id(ids, ids_bytes, p) < 0) continue;
+    const uint2 yw = ys[j][lane];
+    const half* y = reinterpret_cast<const half*>(&yw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += w[p] * __half2float(y[i]);
   }
@@ -824,7 +855,7 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
                    const void* pair_rows, const void* w, const void* ids, int ids_bytes, int tokens, int topk,
                    int gelu, void* out, void* stream) {
   if (sources <= 0 || rows <= 0 || rows > 64 || hidden <= 0 || hidden % 128 || inter <= 0 || inter % 128 ||
-      gu_items <= 0 || dn_items <= 0 || tokens <= 0 || topk <= 0 || (ids_bytes != 4 && ids_bytes != 8))
+      gu_items <= 0 || dn_items <= 0 || tokens <= 0 || topk <= 0 || topk > kMaxFusedTopk || (ids_bytes != 4 && ids_bytes != 8))
     return -3;
   auto s = (cudaStream_t)stream;
   auto gu = (const GroupSource*)gu_table;
@@ -844,16 +875,18 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
   }();
   if (code != 0) return code;
   const int mid_items = sources * rows * (inter / 128);
-  moe_mid_kernel<<<(mid_items + 7) / 8, 256, 0, s>>>(pg, gu, dn, sources, rows, inter, (half*)xh_dn, gelu);
+  moe_mid_kernel<<<(mid_items + kMidItems - 1) / kMidItems, 2 * kMidItems * 32, 0, s>>>(pg, gu, dn, sources, rows,
+                                                                                      inter, (half*)xh_dn, gelu);
   const half* xd = (const half*)xh_dn;
   float* pd = (float*)partial_dn;
   code = [&]() -> int {
     EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_gemm_group, (xd, dn, sources, pd, rows, inter / 16, dn_items, s))
   }();
   if (code != 0) return code;
-  const int tail_items = tokens * (hidden / 128);
-  moe_tail_kernel<<<(tail_items + 7) / 8, 256, 0, s>>>(pd, dn, (const long long*)pair_rows, rows, (const float*)w,
-                                                       ids, ids_bytes, (float*)out, tokens, topk, hidden);
+  const int tail_warps = topk < 8 ? topk : 8;
+  moe_tail_kernel<<<tokens * (hidden / 128), tail_warps * 32, 0, s>>>(pd, dn, (const long long*)pair_rows, rows,
+                                                                      (const float*)w, ids, ids_bytes, (float*)out,
+                                                                      topk, hidden);
   return (int)cudaGetLastError();
 }
 
@@ -939,7 +972,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 7; }
+int exl3_abi_version(void) { return 8; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
