@@ -68,25 +68,6 @@ def _check_layers(name, block, roles, rows=6):
 def test_moe_layers_match_reference(name, block, roles):
     model, cfg, ckpt = _check_layers(name, block, roles)
     assert cfg.claimed == set(ckpt.modules)
-    # every MoE block's TopK knows its layer (SGLang's routed-expert capture indexes by it); Mixtral gets it from
-    # the plugin's hook, which this checks is still applied by SGLang's plugin loader
-    assert [getattr(layer, block).topk.layer_id for layer in model.model.layers] == \
-        list(range(len(model.model.layers)))
-
-
-def test_topk_layer_id_hook_keeps_what_a_model_set():
-    from types import SimpleNamespace
-
-    from sglang_exl3.integration.hooks import moe_topk_layer_id
-
-    def init(self, num_experts, top_k, hidden_size, intermediate_size, layer_id, prefix="", own=None):
-        self.topk = SimpleNamespace(layer_id=own)
-
-    for args, kwargs, want in (((8, 2, 64, 128, 5), {}, 5), ((8, 2, 64, 128), {"layer_id": 7}, 7),
-                               ((8, 2, 64, 128, 5), {"own": 3}, 3)):
-        block = SimpleNamespace()
-        moe_topk_layer_id(init, block, *args, **kwargs)
-        assert block.topk.layer_id == want
 
 
 @pytest.mark.parametrize("rows, path", [(2, "parity"), (6, "decode"), (9, "prefill")])

@@ -8,10 +8,6 @@ passing `quant_config`, so an EXL3 `lm_head` would be built unquantized and its 
 skipped by the loader. While a model is being built from an EXL3 checkpoint whose `lm_head` is EXL3,
 the head gets the EXL3 config. The "active" config is the one SGLang created last in this process:
 SGLang builds each model (target, then draft) right after creating its quantization config.
-
-`moe_topk_layer_id`: SGLang 0.5.17's Mixtral builds its `TopK` without the layer id it was given, so
-`--enable-return-routed-experts` crashes any Mixtral server (EXL3 or not) when the routed-expert capturer
-indexes its buffer with None; the hook hands the block's layer id to its TopK when the model left it unset.
 """
 
 from __future__ import annotations
@@ -69,18 +65,6 @@ def _normalized(weights, spec, rank: int):
             yield local, tensor
 
 
-def moe_topk_layer_id(original, self, *args, **kwargs):
-    """AROUND a sparse-MoE block's `__init__` (Mixtral): its TopK gets the block's `layer_id` if it has none."""
-    import inspect
-
-    result = original(self, *args, **kwargs)
-    layer_id = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("layer_id")
-    topk = getattr(self, "topk", None)
-    if topk is not None and getattr(topk, "layer_id", 0) is None and layer_id is not None:
-        topk.layer_id = layer_id
-    return result
-
-
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -90,4 +74,3 @@ def register_hooks() -> None:
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
                           rank_sliced_weights, HookType.AROUND)
-    HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)

@@ -3,10 +3,10 @@
 Experts are grouped into tiers of one shape, bitrate and codebook (one tier unless the checkpoint mixes
 bitrates). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
-- routed (few rows): `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair, table
-  built on the device; once pairs share experts, `torch.ops.exl3.moe_sorted` (kernels/moe_sorted.py: pairs
-  sorted by expert into tiles of 8-64 rows, one source per tile); pairs routed to another tier (or another EP
-  rank) carry id -1 and weigh 0.
+- routed: `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair (decode), or from 1.5
+  pairs per expert `torch.ops.exl3.moe_sorted` (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64
+  rows, one source per tile); both build their tables on the device and run the fused five-launch forward; pairs
+  routed to another tier (or another EP rank) carry id -1 and weigh 0.
 - dense (from dense_min_rows(experts, top-k) rows): every expert decoded into the model's fp16 slab in
   fused_experts' layout (five launches per tier and role), tier by tier; ids remapped to slab positions;
   SGLang's Triton fused_experts groups the tokens by expert.

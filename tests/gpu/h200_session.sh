@@ -7,7 +7,7 @@
 #           [.exl3so]                     .exl3so/exllamav3_ext.so.xz when carried, else built in the background
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
-# parity-moe / parity-rs / parity-pw      serving parity: exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
+# parity-moe / parity-rs / parity-pw      serving parity (PARITY_BACKEND: our kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; a dense Llama with piecewise prefill graphs
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
@@ -35,7 +35,7 @@ parity() {  # NAME ARGS...: one serve_parity run into $work/NAME
   local name=$1
   shift
   stop_servers
-  timeout "${PARITY_TIMEOUT:-420}" python3 tests/gpu/serve_parity.py "$work/$name" --backend cuda "$@" 2>&1 |
+  timeout "${PARITY_TIMEOUT:-420}" python3 tests/gpu/serve_parity.py "$work/$name" --backend "${PARITY_BACKEND:-cuda}" "$@" 2>&1 |
     tee "$work/$name.txt" | grep -v "^wrote" | tail -8
 }
 
