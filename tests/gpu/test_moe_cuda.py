@@ -28,7 +28,9 @@ def _server_args():
     publish_sglang_args()
 
 
-def _layer(bits_per_expert=(4,) * EXPERTS):
+def _layer(bits_per_expert=(4,) * EXPERTS, shared_h: bool = False):
+    """Random experts as the MoE method holds them; `shared_h`: one hidden-side rotation for every expert (gate/up
+    suh, down svh), as a rank-sliced shared_h_v1 checkpoint stores them (each expert still gets its own copy)."""
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.kernels.cuda_trellis import prepare
     from sglang_exl3.layers.linear import Exl3Shard
@@ -41,6 +43,8 @@ def _layer(bits_per_expert=(4,) * EXPERTS):
         for role, (k, n) in (("w1", (HIDDEN, INTER)), ("w3", (HIDDEN, INTER)), ("w2", (INTER, HIDDEN))):
             t = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), generator=gen, dtype=torch.int16)
             s, v = (torch.randn(k, generator=gen) * 0.1).half(), (torch.randn(n, generator=gen) * 0.1).half()
+            if shared_h and experts:  # expert 0's hidden-side rotation
+                s, v = (s, experts[0][role].svh.cpu()) if role == "w2" else (experts[0][role].suh.cpu(), v)
             raw[role] = (t, s, v)
             shards[role] = Exl3Shard(key=role, trellis=prepare(t.cuda()), suh=s.cuda(), svh=v.cuda(),
                                      codebook=Codebook.MCG, out_features=n, kernel_layout=True)
@@ -87,13 +91,15 @@ def _reference(cpu, x, ids, w):
 
 
 @pytest.mark.parametrize("m", [3, 300])
-@pytest.mark.parametrize("bits", [(4,) * EXPERTS, (3, 4, 3, 5, 4, 3)], ids=["uniform", "mixed"])
-def test_routed_and_dense_slab_paths_match_the_codec(m, bits):
+@pytest.mark.parametrize("bits, shared_h", [((4,) * EXPERTS, False), ((3, 4, 3, 5, 4, 3), False),
+                                            ((3,) * EXPERTS, True)], ids=["uniform", "mixed", "shared-h-3bit"])
+def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
     """Few rows: routed groups (tier by tier when bitrates are mixed); many rows: the dense slab (tier-ordered,
-    ids remapped) + fused_experts; the plan's own choice; all against the codec."""
+    ids remapped) + fused_experts; the plan's own choice; all against the codec. shared-h-3bit: the data layout of
+    the rank-sliced fixture whose server returned NaN on the H200 (MCG 3 bits, shared hidden-side rotations)."""
     from sglang_exl3.layers.moe_kernels import dense_forward, routed_forward
 
-    layer, cpu = _layer(bits)
+    layer, cpu = _layer(bits, shared_h)
     assert len(layer.exl3_tiers.tiers) == len(set(bits))
     method = _method(layer)
     gen = torch.Generator().manual_seed(m)
