@@ -220,7 +220,7 @@ def test_dense_crossover_scales_with_experts_over_topk():
 
     assert 4096 < dense_min_rows(128, 8) <= 5200
     assert dense_min_rows(8, 2) == 1200
-    assert dense_min_rows(1, 2) == MIN_DENSE_ROWS
+    assert dense_min_rows(1, 16) == MIN_DENSE_ROWS  # 300 / 16 rows: below the floor
 
 
 def test_sorted_tiles_from_one_and_a_half_pairs_per_expert():
