@@ -662,13 +662,7 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
 def group_linear(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
     """fp16 [m, sum N] = the concatenated outputs of every source of the group for fp16 x [m, K] (m <= 64)."""
     m = x.shape[0]
-    _check_fp16("x", x, (m, group.k_tiles * 16))
     if m > FUSED_MAX_M:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
-    xh = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device)
-    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, group.total_cols, dtype=torch.float16, device=x.device)
-    _check(load_library().exl3_group_linear(x.data_ptr(), group.table.data_ptr(), group.num, xh.data_ptr(),
-                                            partial.data_ptr(), out.data_ptr(), m, group.k_tiles, group.total_items,
-                                            group.total_cols, group.k2, group.codebook, _stream(x)), "group linear")
-    return out
+    return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
+                     group.partial_per_row, group.k2, group.codebook)

@@ -29,6 +29,7 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     (x fp16), where `run` runs a group table and `build` fills the tables (tests pass an emulator of the kernels and
     the host-run table code)."""
     m, topk = topk_ids.shape
+    fused = fused and topk <= MAX_FUSED_TOPK
     ids = flat_routing_ids(topk_ids)
     pairs, inter, hidden = ids.numel(), gate.n_tiles * 16, down.n_tiles * 16
     if pairs == 0:
@@ -36,7 +37,7 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     # both launches' tables in one launch: gate/up read token rows (pair // top-k), down reads pair rows
     table, (gu, dn) = routed_tables([([gate, up], topk), ([down], 1)], ids, build or routed_table_builder())
     weights = topk_weights.reshape(-1).to(torch.float32)
-    if fused and topk <= MAX_FUSED_TOPK:
+    if fused:
         tables = MoeTables(gate_up=table[gu.start:gu.start + gu.num], down=table[dn.start:dn.start + dn.num],
                            sources=pairs, rows=1, gate_up_items=gu.items, gate_up_partial=gu.partial,
                            down_items=dn.items, down_partial=dn.partial)

@@ -105,6 +105,7 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
     (tests pass an emulator of the kernels)."""
     m, topk = topk_ids.shape
+    fused = fused and topk <= MAX_FUSED_TOPK
     ids = flat_routing_ids(topk_ids)
     experts = gate.rows.shape[0]
     plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
@@ -116,7 +117,7 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     weights = topk_weights.reshape(-1).to(torch.float32)
     gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
     dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
-    if fused and topk <= MAX_FUSED_TOPK:
+    if fused:
         tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
                            gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part)
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
