@@ -17,6 +17,6 @@ if [ -z "$py" ] && command -v pyenv >/dev/null 2>&1; then
 fi
 [ -n "$py" ] || { echo "setup: Python 3.12 not found (install it, e.g. 'pyenv install 3.12')" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/cpu-lock.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -r requirements/cpu-lock.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps --no-build-isolation -e .
 .venv/bin/python -c 'import sglang, torch, sglang_exl3; print("setup ok: sglang", sglang.__version__, "torch", torch.__version__)'

@@ -1,7 +1,8 @@
-"""Helpers to build SGLang's real model classes and layers on a machine without a GPU.
+"""Helpers to build SGLang's real model classes and layers on a machine without a GPU (and, on the GPU machine,
+on the GPU: `sglang_runtime(device="cuda")`).
 
 One process-wide setup: plugins loaded, server args published, a 1-rank gloo process group.
-The only patch: SGLang's rotary-embedding module decides "not CUDA and not CPU-engine mode" means
+The only patch, on the CPU: SGLang's rotary-embedding module decides "not CUDA and not CPU-engine mode" means
 "import vLLM's rotary kernel" (absent here, never called by these tests); it is told it runs on
 the CPU, which it does.
 """
@@ -18,20 +19,22 @@ from sglang_exl3.integration.server import free_port
 
 
 @cache
-def _runtime() -> None:
+def _runtime(device: str) -> None:
     from conftest import DENSE_CKPTS
 
     model_path = str(DENSE_CKPTS[0])
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    import sglang.srt.layers.rotary_embedding.base as rope_base
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    rope_base._is_cpu = True
-    args = ServerArgs(model_path=model_path, device="cpu", attention_backend="torch_native",
-                      sampling_backend="pytorch")
+    if device == "cpu":
+        import sglang.srt.layers.rotary_embedding.base as rope_base
+
+        rope_base._is_cpu = True
+    args = ServerArgs(model_path=model_path, device=device,
+                      attention_backend="torch_native" if device == "cpu" else "triton", sampling_backend="pytorch")
     set_global_server_args_for_scheduler(args)
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
@@ -42,9 +45,16 @@ def _runtime() -> None:
     initialize_dp_attention(args, ModelConfig(model_path))
 
 
-def sglang_runtime(model_path: str | None = None) -> None:
-    """Process-wide SGLang setup (once; the model path only seeds the published server args)."""
-    _runtime()
+def sglang_runtime(model_path: str | None = None, device: str = "cpu") -> None:
+    """Process-wide SGLang setup (once per process, for one device; the model path only seeds the published server
+    args)."""
+    if _runtime.cache_info().currsize and device not in _DEVICES:
+        raise RuntimeError(f"SGLang's runtime is set up for {_DEVICES} in this process, not {device}")
+    _DEVICES.add(device)
+    _runtime(device)
+
+
+_DEVICES: set[str] = set()
 
 
 def exl3_config(path: Path):
@@ -67,6 +77,40 @@ def process(module: torch.nn.Module) -> None:
         qm = getattr(m, "quant_method", None)
         if qm is not None and hasattr(qm, "process_weights_after_loading"):
             qm.process_weights_after_loading(m)
+
+
+def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    """What a server does: ModelConfig (the plugin's hooks claim EXL3 and rank-sliced checkpoints; a plain one stays
+    unquantized), the quantization config from its parsed quantization_config, SGLang's model class built on
+    `device` (parameters in `dtype`, as `--dtype` gives), SGLang's default loader (the plugin's hook normalises
+    rank-sliced names). Returns (model, quantization config or None)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.registry import ModelRegistry
+
+    from sglang_exl3.integration import hooks
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    config = ModelConfig(str(path))
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.hf_config.architectures)
+    cfg = None
+    if config.quantization == "exl3":
+        cfg = Exl3Config.from_config({**config._parse_quant_hf_config(), "hf_config": config.hf_config,
+                                      "packed_modules_mapping": dict(getattr(model_cls, "packed_modules_mapping",
+                                                                             {}))})
+    else:
+        hooks.set_active_config(None)  # a plain model must not pick up the last EXL3 model's lm_head config
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default)
+    try:
+        with torch.device(device):
+            model = model_cls(config.hf_config, quant_config=cfg)
+    finally:
+        torch.set_default_dtype(default)
+    files = sorted(str(f) for f in Path(path).glob("*.safetensors"))
+    DefaultModelLoader.load_weights_and_postprocess(model, safetensors_weights_iterator(files), torch.device(device))
+    return model, cfg
 
 
 def load_model(path: Path):

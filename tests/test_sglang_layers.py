@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import DATA, DENSE_CKPTS
-from sglang_cpu import exl3_config, load_model, process, sglang_runtime
+from sglang_cpu import exl3_config, load_as_server, load_model, process, sglang_runtime
 from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format import Codebook, load_checkpoint
 from sglang_exl3.layers.tp_slicing import Exl3SliceError
@@ -258,27 +258,6 @@ def test_rank_sliced_metadata_is_claimed_and_validated_at_load(tmp_path):
         Exl3Config.from_config({**bad._parse_quant_hf_config(), "hf_config": bad.hf_config})
 
 
-def _load_rank_sliced(path):
-    """What a server does: ModelConfig (the plugin's hook claims the checkpoint), the quantization config from
-    its parsed quantization_config, SGLang's model class, SGLang's default loader (the plugin's hook normalises
-    the .rank{r} names)."""
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.models.registry import ModelRegistry
-
-    from sglang_exl3.layers.exl3_config import Exl3Config
-
-    config = ModelConfig(str(path))
-    model_cls, _ = ModelRegistry.resolve_model_cls(config.hf_config.architectures)
-    cfg = Exl3Config.from_config({**config._parse_quant_hf_config(), "hf_config": config.hf_config,
-                                  "packed_modules_mapping": dict(getattr(model_cls, "packed_modules_mapping", {}))})
-    model = model_cls(config.hf_config, quant_config=cfg)
-    files = sorted(str(f) for f in path.glob("*.safetensors"))
-    DefaultModelLoader.load_weights_and_postprocess(model, safetensors_weights_iterator(files), torch.device("cpu"))
-    return model, cfg
-
-
 MIXED = {0: [3, 5, 3, 4], 1: [4, 4, 2, 3]}
 
 
@@ -293,7 +272,7 @@ def test_rank_sliced_checkpoint_loads_and_matches_its_slices(tmp_path, layout, m
 
     path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
                                         rotation_layout=layout, seed=3, expert_bits=MIXED if mixed else None)
-    model, cfg = _load_rank_sliced(path)
+    model, cfg = load_as_server(path)
     if mixed:
         assert cfg.rank_sliced.bits == "mixed"
         recs = model.model.layers[1].mlp.experts.quant_method.records
@@ -368,7 +347,7 @@ def test_hybrid_checkpoint_serves_its_plain_layers_unquantized(tmp_path):
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     path = _hybrid_checkpoint(tmp_path)
-    model, cfg = _load_rank_sliced(path)
+    model, cfg = load_as_server(path)
     assert not cfg.checkpoint.modules  # no per-module EXL3 at all
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj.quant_method, UnquantizedLinearMethod)
@@ -384,7 +363,7 @@ def test_hybrid_checkpoint_with_foreign_quantized_layers_is_refused(tmp_path):
 
     path = _hybrid_checkpoint(tmp_path, {"model.layers.0.self_attn.q_proj.weight_scale": torch.ones(1)})
     with pytest.raises(Exl3FormatError, match=r"quantized in another format.*weight_scale"):
-        _load_rank_sliced(path)
+        load_as_server(path)
 
 
 def test_rank_sliced_bitrate_disagreeing_with_the_map_is_refused_at_load(tmp_path):
@@ -399,7 +378,7 @@ def test_rank_sliced_bitrate_disagreeing_with_the_map_is_refused_at_load(tmp_pat
     (path / "expert_bits.json").write_text(json.dumps({"0": {"k": [3, 3, 3, 4]}}))  # expert 1 is really K=4
     with pytest.raises(RankSlicedError, match=r"experts\.1\.gate_proj\.rank0\.trellis: 4 bits .* expert 1 of "
                                               r"layer 0 has K=3"):
-        _load_rank_sliced(path)
+        load_as_server(path)
 
 
 def test_rank_sliced_records_of_rank_1_are_its_own_slices(tmp_path):
@@ -428,7 +407,7 @@ def test_rank_sliced_checkpoint_for_another_tp_is_refused_at_load(tmp_path):
 
     path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=1), bits=3, tp=2)
     with pytest.raises(RankSlicedError, match=r"TP does not match runtime.*tp=2.*tp=1.*--tp 2"):
-        _load_rank_sliced(path)
+        load_as_server(path)
 
 
 def test_rank_sliced_checkpoint_is_not_claimed_when_the_user_asks_for_another_method(tmp_path):

@@ -5,7 +5,8 @@
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
 #           [.exl3so]                     .exl3so/exllamav3_ext.so.xz when carried, else built in the background
-# moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec
+# moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
+#                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
 # parity-moe / parity-rs / parity-pw      serving parity (PARITY_BACKEND: our kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; a dense Llama with piecewise prefill graphs
@@ -65,7 +66,7 @@ run_step() {
   moetests)
     site_env
     timeout "${MOETESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider --durations=5 \
-      tests/gpu/test_moe_cuda.py 2>&1 | tee "$work/pytest-moe.txt" | tail -15
+      tests/gpu/test_moe_cuda.py tests/test_model_vs_twin.py 2>&1 | tee "$work/pytest-moe.txt" | tail -15
     ;;
   moebench)
     site_env

@@ -1,0 +1,136 @@
+"""An EXL3 model as SGLang builds it equals its dequantized fp16 twin, module by module: what serving parity compares
+end to end, checked one layer at a time so that a failure names the layer and the path.
+
+Both models go through the server's own steps (ModelConfig, quantization config, SGLang's model class and default
+loader: `sglang_cpu.load_as_server`); the twin is what `python -m sglang_exl3 dequantize` writes. Every plain
+tensor must load identically, every EXL3 linear (fused qkv, o_proj, lm_head, ...) must compute x @ W_twin^T, and
+every MoE layer must compute the twin's experts on the same routing. On the CPU the torch backend runs; on a GPU
+machine the same test runs our CUDA kernels, and the MoE row counts cover each path the plan picks there (one
+source per pair, expert-sorted tiles, the dense slab + fused_experts). The rank-sliced fixture is the one whose
+server returned NaN logprobs on the H200 (written exactly as `tests/gpu/h200_session.sh parity-rs` writes it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DATA
+from sglang_cpu import load_as_server, sglang_runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# rows per MoE forward: on the GPU, one source per pair (1, 2), sorted tiles (6, 40) and, from dense_min_rows
+# (600 rows for 4 experts, top-2), the slab; on the CPU every row count runs the same all-experts path
+MOE_ROWS = (1, 2, 6, 40, 700) if DEVICE == "cuda" else (1, 6)
+REL_TOL = 1e-2  # the twin holds fp16 weights; ours decode and rotate with fp16 roundings of their own
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime(device=DEVICE)
+
+
+def _rank_sliced(root):
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    return write_rank_sliced_checkpoint(root / "rs", dims=ModelDims(), bits=3, tp=1, rotation_layout="shared_h_v1",
+                                        seed=0, with_tokenizer=True)
+
+
+CHECKPOINTS = {
+    "rank-sliced-shared-h": _rank_sliced,
+    "tiny-qwen3moe-mul1-4bpw": lambda root: DATA / "exllamav3" / "tiny-qwen3moe-mul1-4bpw",
+    "tiny-mixtral-mcg-3bpw": lambda root: DATA / "exllamav3" / "tiny-mixtral-mcg-3bpw",
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def models(request, tmp_path_factory):
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    root = tmp_path_factory.mktemp(request.param)
+    path = CHECKPOINTS[request.param](root)
+    dequantize_checkpoint(path, root / "twin", dtype="float16", progress=False)
+    dtype = torch.float16 if DEVICE == "cuda" else None  # the server's --dtype float16 (parity's setting)
+    exl3, _ = load_as_server(path, DEVICE, dtype)
+    twin, cfg = load_as_server(root / "twin", DEVICE, dtype)
+    assert cfg is None
+    return exl3, twin
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def test_plain_tensors_load_identically(models):
+    exl3, twin = models
+    ours = dict(exl3.named_parameters())
+    compared = 0
+    for name, p in twin.named_parameters():
+        if name in ours and ours[name].shape == p.shape and ours[name].numel():
+            assert torch.equal(ours[name].half(), p.half()), name  # the twin stores fp16
+            compared += 1
+    assert compared >= 5  # embeddings, norms, routers
+
+
+def test_linear_layers_equal_the_twin(models):
+    exl3, twin = models
+    theirs = dict(twin.named_modules())
+    gen = torch.Generator().manual_seed(0)
+    checked = []
+    for name, layer in exl3.named_modules():
+        if not hasattr(layer, "exl3_shards"):
+            continue
+        weight = theirs[name].weight
+        x = torch.randn(5, weight.shape[1], generator=gen).to(device=DEVICE, dtype=torch.float16)
+        got = layer.quant_method.apply(layer, x).float()
+        want = x.float() @ weight.float()[: got.shape[1]].T
+        assert torch.isfinite(got).all(), name
+        assert _rel(got, want) < REL_TOL, (name, _rel(got, want))
+        checked.append(name)
+    assert "lm_head" in checked and any("qkv_proj" in n for n in checked)
+
+
+def _twin_moe(experts, x, ids, weights, activation: str) -> torch.Tensor:
+    """fp32 reference from the twin's FusedMoE weights: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
+    w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
+    inter = w2.shape[2]
+    act = torch.nn.functional.silu if activation == "silu" else (
+        lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+    out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
+    xf = x.float()
+    for j in range(ids.shape[1]):
+        for e in ids[:, j].unique().tolist():
+            rows = (ids[:, j] == e).nonzero(as_tuple=True)[0]
+            gate_up = xf[rows] @ w13[e].T
+            hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
+            out[rows] += weights[rows, j, None] * (hidden @ w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("m", MOE_ROWS)
+def test_moe_layers_equal_the_twin(models, m):
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    exl3, twin = models
+    theirs = dict(twin.named_modules())
+    gen = torch.Generator().manual_seed(m)
+    layers = [(n, mod) for n, mod in exl3.named_modules() if type(getattr(mod, "quant_method", None)).__name__ ==
+              "Exl3MoEMethod"]
+    assert layers
+    for name, experts in layers:
+        cfg = experts.quant_method.moe_runner_config
+        n_exp, topk = experts.num_local_experts, cfg.top_k
+        x = torch.randn(m, experts.hidden_size, generator=gen).to(device=DEVICE, dtype=torch.float16)
+        ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(DEVICE, torch.int32)
+        weights = torch.rand(m, topk, generator=gen).to(DEVICE)
+        dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
+                                          topk_output=StandardTopKOutput(weights, ids, torch.zeros(m, n_exp)))
+        got = experts.quant_method.apply(experts, dispatch).hidden_states.float()
+        want = _twin_moe(theirs[name], x, ids, weights, cfg.activation)
+        assert torch.isfinite(got).all(), (name, m)
+        assert _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
