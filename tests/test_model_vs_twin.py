@@ -111,8 +111,11 @@ def _twin_moe(experts, x, ids, weights, activation: str) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m", MOE_ROWS)
-def test_moe_layers_equal_the_twin(models, m):
+def test_moe_layers_equal_the_twin(models, m, dtype):
+    """bf16: a model served in bf16 hands its hidden states to the MoE layer as they are (the fused forwards read
+    them directly); the reference sees the same bf16 values."""
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
@@ -125,7 +128,7 @@ def test_moe_layers_equal_the_twin(models, m):
     for name, experts in layers:
         cfg = experts.quant_method.moe_runner_config
         n_exp, topk = experts.num_local_experts, cfg.top_k
-        x = torch.randn(m, experts.hidden_size, generator=gen).to(device=DEVICE, dtype=torch.float16)
+        x = torch.randn(m, experts.hidden_size, generator=gen).to(device=DEVICE, dtype=dtype)
         ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(DEVICE, torch.int32)
         weights = torch.rand(m, topk, generator=gen).to(DEVICE)
         dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,

@@ -104,9 +104,9 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
                     gelu: bool) -> torch.Tensor:
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
-    for fp16 x [m, K]; only routed experts are read (ids < 0: another expert-parallel rank's, weight 0), one source
-    per (token, expert) pair (kernels/moe_routed.py). The rows/meta come from cuda_trellis.make_expert_bank
-    (Exl3ExpertBank.rows / .meta)."""
+    for fp16 x [m, K] (or bf16, read by the fused forward as if cast); only routed experts are read (ids < 0:
+    another expert-parallel rank's, weight 0), one source per (token, expert) pair (kernels/moe_routed.py). The
+    rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
     from sglang_exl3.kernels.moe_routed import routed_moe
 
     banks = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)

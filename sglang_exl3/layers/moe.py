@@ -153,16 +153,16 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
-        x16 = x.reshape(-1, x.shape[-1]).to(torch.float16)
+        rows = x.reshape(-1, x.shape[-1])  # in the model's dtype: each path casts to fp16 only where it must
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        m = x16.shape[0]
+        m = rows.shape[0]
         segments = list(layer.exl3_plan.segments(m, capturing, self.prefix, layer.exl3_role))
         if len(segments) == 1 and segments[0][1:] == (0, m):  # one plan for all rows: no staging buffer and copy
-            out = self.runners[segments[0][0]](layer, x16, topk_weights, topk_ids)
+            out = self.runners[segments[0][0]](layer, rows, topk_weights, topk_ids)
         else:
             out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=x.device)
             for path, r0, r1 in segments:
-                out[r0:r1] = self.runners[path](layer, x16[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
+                out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None:
             out *= scale
@@ -187,27 +187,31 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         reserve_slab(self._owner(layer), len(layer.exl3_experts), layer.intermediate_size_per_partition,
                      layer.hidden_size, device)
 
-    def _capturable(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
-        """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read),
-        or from dense_min_rows rows the dense slab + SGLang's fused_experts; elsewhere every expert on every row."""
+    def _capturable(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read;
+        they take bf16 x as it comes), or from dense_min_rows rows the dense slab + SGLang's fused_experts (fp16
+        weights, so fp16 x); elsewhere every expert on every row."""
         tiers = layer.exl3_tiers
         if tiers is None:
-            return self._all_experts(layer, x16, topk_weights, topk_ids)
-        if x16.shape[0] >= dense_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
+            return self._all_experts(layer, x, topk_weights, topk_ids)
+        if x.shape[0] >= dense_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
             return dense_forward(tiers, self._owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
-                                 layer.hidden_size, x16, topk_weights, topk_ids, self.moe_runner_config)
-        return routed_forward(tiers, x16, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")
+                                 layer.hidden_size, x.to(torch.float16), topk_weights, topk_ids,
+                                 self.moe_runner_config)
+        return routed_forward(tiers, x, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")
 
-    def _all_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
+    def _all_experts(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Capturable: every local expert on every row, weighted (0 where the expert is not routed)."""
+        x16 = x.to(torch.float16)
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x16.device)
         for e in range(len(layer.exl3_experts)):
             weight = (topk_weights.float() * (topk_ids == e)).sum(-1)
             out += weight[:, None] * self._expert(layer, e, x16)
         return out
 
-    def _routed_experts(self, layer, x16, topk_weights, topk_ids) -> torch.Tensor:
+    def _routed_experts(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Eager parity path: each routed expert on its own rows only (host sync on the routing)."""
+        x16 = x.to(torch.float16)
         out = torch.zeros(x16.shape[0], layer.hidden_size, dtype=torch.float32, device=x16.device)
         for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():  # -1: an expert on another EP rank
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)

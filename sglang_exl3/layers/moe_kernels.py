@@ -151,15 +151,22 @@ def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     return 2 * rows * topk >= 3 * experts
 
 
-def routed_forward(tiers: ExpertTiers, x16: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    gelu: bool) -> torch.Tensor:
-    """fp32 [m, H]: the routed experts only, tier by tier (per pair, or over expert-sorted tiles)."""
+    """fp32 [m, H]: the routed experts only, tier by tier (per pair, or over expert-sorted tiles). The fused
+    forward reads fp16 or bf16 x itself (rounding bf16 to fp16 as a cast would: one launch fewer at decode); other
+    dtypes, and the staged forward above MAX_FUSED_TOPK, get fp16."""
+    from sglang_exl3.kernels.cuda_trellis import MAX_FUSED_TOPK
+
+    if x.dtype != torch.float16 and (x.dtype != torch.bfloat16 or topk_ids.shape[1] > MAX_FUSED_TOPK):
+        x = x.to(torch.float16)
+    x = x.contiguous()
     out = None
     for t, tier in enumerate(tiers.tiers):
         gate, up, down = tier.banks
-        op = torch.ops.exl3.moe_sorted if sorted_rows(x16.shape[0], topk_ids.shape[1], len(tier.experts)) \
+        op = torch.ops.exl3.moe_sorted if sorted_rows(x.shape[0], topk_ids.shape[1], len(tier.experts)) \
             else torch.ops.exl3.moe_routed
-        y = op(x16.contiguous(), tiers.ids_in_tier(topk_ids, t), topk_weights, gate.rows, up.rows, down.rows,
+        y = op(x, tiers.ids_in_tier(topk_ids, t), topk_weights, gate.rows, up.rows, down.rows,
                gate.meta, down.meta, gelu)
         out = y if out is None else out + y
     return out
