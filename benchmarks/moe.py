@@ -1,9 +1,11 @@
 """EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours (the MoE method's
 capturable forward: routed groups below dense_min_rows rows, dense slab + fused_experts above) vs SGLang's bf16
 `fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
-routing rotated across calls).
+routing rotated across calls). Both take the hidden states in the model's dtype (--x-dtype, bf16 by default) and
+return that dtype, as the layer does inside a model: ours is the MoE method's forward plus its output cast (and, before
+the routed forwards read bf16 themselves, it was timed from fp16 x to fp32 out: two casts short of the layer).
 
-  python benchmarks/moe.py [--bits 2,3,4,5] [--ms 1,4,16,64,512,4096] [--ckpt-dir DIR]
+  python benchmarks/moe.py [--bits 2,3,4,5] [--ms 1,4,16,64,512,4096] [--ckpt-dir DIR] [--x-dtype bf16|fp16]
 
 With --ckpt-dir, each bitrate's experts come from a one-layer checkpoint of this shape written there
 (`write-fixture --arch qwen3_moe --shape qwen3-30b-a3b --layers 1 --codebook mcg`), and the exllamav3 column is
@@ -42,7 +44,7 @@ HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
-EXTRA_COLUMNS = ["rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
+EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -136,7 +138,7 @@ def routing(m: int, gen: torch.Generator):
 
 
 def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict], flush,
-               both_paths: bool = False) -> None:
+               both_paths: bool = False, x_dtype: torch.dtype = torch.bfloat16) -> None:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -166,31 +168,37 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     gate, up, down = tier.banks
     for m in ms:
         gen = torch.Generator().manual_seed(m)
-        xs = [torch.randn(m, HIDDEN, generator=gen).half().cuda() for _ in range(ROUTINGS)]
+        xs = [torch.randn(m, HIDDEN, generator=gen).to(x_dtype).cuda() for _ in range(ROUTINGS)]
+        xs_bf16 = [x.bfloat16() for x in xs]
         routes = [routing(m, gen) for _ in range(ROUTINGS)]
 
-        def ours(i, xs=xs, routes=routes):  # the product's forward for m rows (routed groups or the dense slab)
+        def ours(i, xs=xs, routes=routes):  # the MoE method's forward for m rows + its cast back (as in apply)
             w, ids, _ = routes[i]
-            return method._capturable(layer, xs[i], w, ids)
+            return method._capturable(layer, xs[i], w, ids).to(xs[i].dtype)
 
-        def bf16(i, xs=xs, routes=routes):
+        def bf16(i, xs=xs_bf16, routes=routes):
             w, ids, logits = routes[i]
-            return fused_experts(xs[i].bfloat16(), w13, w2, StandardTopKOutput(w, ids, logits), cfg)
+            return fused_experts(xs[i], w13, w2, StandardTopKOutput(w, ids, logits), cfg)
 
         ref = bf16(0).float()
         got = ours(0).float()
         rel = float((got - ref).norm() / ref.norm())
-        row = {"m": m, "bits": bits, "rel_err_vs_bf16": rel, "exllamav3_us": None,
+        row = {"m": m, "bits": bits, "x_dtype": str(x_dtype).removeprefix("torch."), "rel_err_vs_bf16": rel,
+               "exllamav3_us": None,
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
         if both_paths:  # each forward at every m: where the pairs/sorted/dense crossovers really lie
-            def forward(fn, xs=xs, routes=routes, **kw):
+            xs16 = [x.half() for x in xs]  # the staged forwards and the fp16 slab take fp16 x
+
+            def forward(fn, xs=xs, xs16=xs16, routes=routes, **kw):
+                inputs = xs16 if kw.get("fused") is False else xs
+
                 def run(i):
                     w, ids, _ = routes[i]
-                    return fn(xs[i], ids, w, gate, up, down, False, **kw)
+                    return fn(inputs[i], ids, w, gate, up, down, False, **kw)
                 return run
 
-            def dense(i, xs=xs, routes=routes):
+            def dense(i, xs=xs16, routes=routes):
                 w, ids, _ = routes[i]
                 return dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids,
                                      method.moe_runner_config)
@@ -202,7 +210,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs
         elif theirs is not None:
-            row.update(time_exllamav3(theirs, xs, routes, got))
+            row.update(time_exllamav3(theirs, [x.half() for x in xs], routes, got))  # exllamav3 runs fp16
             if row["exllamav3_us"]:
                 row["ours_vs_exllamav3"] = row["exllamav3_us"] / row["ours_us"]
         print("ROW", row, flush=True)
@@ -286,6 +294,8 @@ def main() -> int:
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
     ap.add_argument("--both-paths", action="store_true",
                     help="also time each forward (per pair, expert-sorted tiles, dense slab) at every m")
+    ap.add_argument("--x-dtype", choices=["bf16", "fp16"], default="bf16",
+                    help="the model's dtype: what the layer receives and returns")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge)
@@ -293,7 +303,8 @@ def main() -> int:
     rows, head = [], header(sys.argv)
     for bits in (int(b) for b in args.bits.split(",")):
         bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
-                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS), args.both_paths)
+                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS), args.both_paths,
+                   torch.bfloat16 if args.x_dtype == "bf16" else torch.float16)
         torch.cuda.empty_cache()
     plot(rows, RESULTS / f"moe-{gpu_slug(head['gpu'])}.png", head["gpu"])
     return 0
