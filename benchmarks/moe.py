@@ -45,7 +45,8 @@ ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
-                 "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us"]
+                 "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us",
+                 "ours_rotated_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -147,6 +148,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
     from sglang_exl3.layers.moe_kernels import dense_forward
+    from sglang_exl3.layers.moe_rotated import rotated_slab_forward
 
     theirs = None
     if ckpt_dir is None:
@@ -207,6 +209,12 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                 row[f"ours_{name}_us"] = graph_us(forward(fn), ROUTINGS, calls=ROUTINGS)
                 row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
+
+            def rotated(i, xs=xs16, routes=routes):  # W_hat slab + SGLang's Triton GEMM between our rotations
+                w, ids, _ = routes[i]
+                return rotated_slab_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids, False)
+
+            row["ours_rotated_us"] = graph_us(rotated, ROUTINGS, calls=ROUTINGS)
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs
         elif theirs is not None:
@@ -293,7 +301,8 @@ def main() -> int:
                     help="write/read one-layer checkpoints here and add exllamav3's column")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
     ap.add_argument("--both-paths", action="store_true",
-                    help="also time each forward (per pair, expert-sorted tiles, dense slab) at every m")
+                    help="also time each forward (per pair, expert-sorted tiles, dense slab, rotated-basis slab) "
+                         "at every m")
     ap.add_argument("--x-dtype", choices=["bf16", "fp16"], default="bf16",
                     help="the model's dtype: what the layer receives and returns")
     args = ap.parse_args()

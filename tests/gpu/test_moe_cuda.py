@@ -114,3 +114,26 @@ def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
     for name, y in (("routed", routed), ("dense", dense), ("capturable", chosen)):
         assert not torch.isnan(y).any(), name
         assert float((y.cpu() - ref).norm() / ref.norm()) < 5e-3, name
+
+
+@pytest.mark.parametrize("m", [3, 300])
+@pytest.mark.parametrize("bits, shared_h", [((4,) * EXPERTS, False), ((3, 4, 3, 5, 4, 3), False),
+                                            ((3,) * EXPERTS, True)], ids=["uniform", "mixed", "shared-h-3bit"])
+def test_rotated_slab_matches_the_codec(m, bits, shared_h):
+    """The rotated-basis forward for long prefills (layers/moe_rotated.py: W_hat decoded once into the slab, SGLang's
+    Triton grouped GEMM between per-pair rotations), on the Triton kernel and on its torch stand-in, against the
+    codec; mixed bitrates decode tier by tier into slab order."""
+    from sglang_exl3.layers.moe_rotated import reference_gemm, rotated_slab_forward
+
+    layer, cpu = _layer(bits, shared_h)
+    _method(layer)
+    gen = torch.Generator().manual_seed(m + 1)
+    x = torch.randn(m, HIDDEN, generator=gen).half()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(m)]).to(torch.int32)
+    w = torch.rand(m, TOPK, generator=gen)
+    ref = _reference(cpu, x, ids, w)
+    for name, gemm in (("triton", None), ("torch", reference_gemm)):
+        y = rotated_slab_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, x.cuda(), w.cuda(), ids.cuda(),
+                                 False, gemm)
+        assert torch.isfinite(y).all(), name
+        assert float((y.cpu() - ref).norm() / ref.norm()) < 5e-3, name
