@@ -31,7 +31,11 @@ def publish_sglang_args() -> None:
     """Publish default server args and a one-rank TP group, as a server does before any layer runs: SGLang's
     kernels outside a server fail without them (fused_experts reads its `exec` config namespace and asks for the
     TP group). The tiny EXL3 fixture is the model. Once per process."""
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -42,7 +46,8 @@ def publish_sglang_args() -> None:
     set_global_server_args_for_scheduler(ServerArgs(model_path=str(tiny)))
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    initialize_model_parallel(tensor_model_parallel_size=1)
+    if not model_parallel_is_initialized():  # tests/sglang_cpu.py may have set it up in this process
+        initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

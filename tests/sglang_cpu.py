@@ -26,7 +26,11 @@ def _runtime(device: str) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     if device == "cpu":
@@ -38,7 +42,8 @@ def _runtime(device: str) -> None:
     set_global_server_args_for_scheduler(args)
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    initialize_model_parallel(tensor_model_parallel_size=1)
+    if not model_parallel_is_initialized():  # another helper (benchmarks.common, a GPU test) may have set it up
+        initialize_model_parallel(tensor_model_parallel_size=1)
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.dp_attention import initialize_dp_attention
 
