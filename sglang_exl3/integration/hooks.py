@@ -65,6 +65,41 @@ def _normalized(weights, spec, rank: int):
             yield local, tensor
 
 
+def is_exl3_checkpoint(server_args, hf_config) -> bool:
+    """Whether SGLang will load this checkpoint with our method: `--quantization exl3`, or no other method asked for and
+    an EXL3 `quantization_config` or a claimed `hybrid_tr3_tail`."""
+    from sglang_exl3.format.rank_sliced import override_quantization_method
+
+    asked = getattr(server_args, "quantization", None)
+    if asked == "exl3":
+        return True
+    if asked is not None:
+        return False
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if isinstance(quant, dict) and quant.get("quant_method") == "exl3":
+        return True
+    tail = getattr(hf_config, "hybrid_tr3_tail", None)
+    return tail is not None and override_quantization_method({"hybrid_tr3_tail": tail}, asked) == "exl3"
+
+
+def keep_shared_experts_apart(server_args, hf_config) -> dict:
+    """Model-override provider (every architecture): on CUDA SGLang folds a shared expert into the routed FusedMoE as
+    one more expert (DeepSeek-V3 with 256 experts, GLM-4.5 MoE: `mlp.shared_experts.*` loaded as `mlp.experts.{E}`).
+    EXL3 routed experts are per-expert checkpoint records that the MoE method loads by id, and the shared expert is not
+    one of them (EXL3 linears of its own, or unquantized in the reference's hybrid checkpoints), so for an EXL3
+    checkpoint the fusion is off, declared at startup like SGLang's own model overrides."""
+    if is_exl3_checkpoint(server_args, hf_config):
+        return {"disable_shared_experts_fusion": True}
+    return {}
+
+
+def register_model_overrides() -> None:
+    from sglang.srt.arg_groups import overrides
+
+    if not any(fn is keep_shared_experts_apart for _, fn in overrides._PREDICATE_OVERRIDE_FNS):
+        overrides.register_model_override_predicate(lambda architecture: True)(keep_shared_experts_apart)
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

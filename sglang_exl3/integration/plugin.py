@@ -27,9 +27,10 @@ def register() -> None:
     quantization.QUANTIZATION_METHODS["exl3"] = Exl3Config
     if "exl3" not in QUANTIZATION_CHOICES:
         add_quantization_method_choices(["exl3"])
-    from sglang_exl3.integration.hooks import register_hooks
+    from sglang_exl3.integration.hooks import register_hooks, register_model_overrides
 
     register_hooks()  # applied by load_plugins() right after the plugins run
+    register_model_overrides()  # collected when the launcher builds its ServerArgs, after load_plugins()
     try:
         knobs.validate_all()
     except knobs.KnobError as e:

@@ -164,7 +164,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             for path, r0, r1 in segments:
                 out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
         scale = self.moe_runner_config.routed_scaling_factor
-        if scale is not None:
+        # On CUDA SGLang's MoE runner applies routed_scaling_factor, so this method does; elsewhere its models scale
+        # the routed output themselves (DeepSeek-V2/V3, GLM-4.5 MoE: `if not _is_cuda: final *= routed_scaling_factor`)
+        if scale is not None and x.is_cuda:
             out *= scale
         return StandardCombineInput(hidden_states=out.to(x.dtype))
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral) for the converter.
+"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) for the converter.
 
 Dims are multiples of 128 so that exllamav3 pads nothing unexpected; each model is a few MB.
 """
@@ -30,6 +30,17 @@ TINY_ARCHS: dict[str, dict] = {
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
     ),
     "mixtral": dict(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2),
+    # layer 0 dense, layer 1: 8 routed experts of 128 in 2 groups (top-2 from 1 group, sigmoid scores with a correction
+    # bias), one shared expert, routed scaling; MLA attention. YaRN rope: SGLang's CPU rope requires a scaling config.
+    "deepseek_v3": dict(
+        intermediate_size=512, moe_intermediate_size=128, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+        routed_scaling_factor=2.5, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "rope_theta": 10000.0}),
 }
 
 
@@ -45,6 +56,10 @@ def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **over
     config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # routers' correction biases start at zero; give the grouped top-k something to correct
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.uniform_(-0.1, 0.1)
     model.save_pretrained(directory)
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())

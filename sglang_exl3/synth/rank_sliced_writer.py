@@ -104,3 +104,62 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
         (out / "expert_bits.json").write_text(json.dumps({str(layer): {"k": ks} for layer, ks in expert_bits.items()}))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def write_hybrid_from_hf(src_dir: str | Path, out_dir: str | Path, bits: int = 3, tp: int = 1,
+                         rotation_layout: str = "shared_h_v1", seed: int = 0) -> Path:
+    """The reference's hybrid layout (GLM-5.2 TR3) from a plain HF MoE checkpoint with per-expert weights
+    (`model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`; DeepSeek-V3, GLM-4.5, Qwen3-MoE naming): every
+    routed expert becomes random rank-sliced EXL3 (MCG, `bits`), everything else (attention, dense layers, shared
+    experts, routers) stays as it is, and config.json gains `hybrid_tr3_tail` over the layers that have experts. No
+    quantization sidecar: the hybrid claim alone makes it EXL3."""
+    from safetensors.torch import save_file
+
+    from sglang_exl3.format import Codebook
+    from sglang_exl3.synth.exl3_writer import random_exl3_linear
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=False)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    config = json.loads((src / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    if inter % (tp * ALIGN):
+        raise ValueError(f"moe_intermediate_size {inter} does not split into {tp} slices of a multiple of {ALIGN}")
+    gen = torch.Generator().manual_seed(seed)
+    kept, layers, experts = {}, set(), set()
+    shared = rotation_layout == "shared_h_v1"
+    shared_h: dict[tuple[int, str], torch.Tensor] = {}
+    for name in sorted(tensors):
+        parts = name.split(".")
+        if len(parts) != 8 or parts[3:5] != ["mlp", "experts"] or parts[6] not in PROJECTIONS or parts[7] != "weight":
+            kept[name] = tensors[name]
+            continue
+        layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
+        layers.add(layer)
+        experts.add(expert)
+        k, n = (inter, hidden) if proj == "down_proj" else (hidden, inter)
+        full = random_exl3_linear(k, n, bits, Codebook.MCG, gen)
+        side = H_SIDE[proj]
+        if shared:  # one hidden-side rotation per layer and projection
+            full[side] = shared_h.setdefault((layer, proj), full[side])
+        key = ".".join(parts[:7])
+        for rank in range(tp):
+            part = slice_expert(full, proj, rank, tp)
+            kept.update({f"{key}.rank{rank}.{fld}": t for fld, t in part.items() if not (shared and fld == side)})
+            if shared and expert == 0:
+                kept[f"model.layers.{layer}.mlp.experts.shared_h.{proj}.rank{rank}.{side}"] = part[side]
+    if not layers:
+        raise ValueError(f"{src} has no per-expert weights (model.layers.L.mlp.experts.E.PROJ.weight)")
+    save_file({n: t.contiguous() for n, t in kept.items()}, str(out / "model.safetensors"))
+    config.pop("quantization_config", None)
+    config["hybrid_tr3_tail"] = {
+        "format": "exl3-trellis", "bits": bits, "codebook": "mcg", "experts_per_layer": len(experts),
+        "moe_layers": [min(layers), max(layers)], "tensor_schema": TENSOR_SCHEMA, "tp": tp,
+        "rotation_layout": rotation_layout, **({"shared_h_tensor_schema": SHARED_H_SCHEMA} if shared else {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
