@@ -1,4 +1,5 @@
-"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3) for the converter.
+"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 MoE) for the
+converter and the hybrid writer.
 
 Dims are multiples of 128 so that exllamav3 pads nothing unexpected; each model is a few MB.
 """
@@ -41,6 +42,12 @@ TINY_ARCHS: dict[str, dict] = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "rope_theta": 10000.0}),
+    # GLM-4.5 MoE: layer 0 dense, layer 1 with 8 routed experts of 128 (sigmoid scores with a correction bias), one
+    # shared expert, routed scaling; GQA attention with half-width rotary.
+    "glm4_moe": dict(
+        intermediate_size=512, moe_intermediate_size=128, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, partial_rotary_factor=0.5, max_position_embeddings=512),
 }
 
 

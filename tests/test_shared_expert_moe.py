@@ -1,6 +1,6 @@
-"""DeepSeek-V3-style MoE (grouped sigmoid routing with a correction bias, routed scaling, a shared expert, a dense first
-layer, MLA attention) in the reference's hybrid layout: routed experts rank-sliced EXL3, everything else BF16, through
-SGLang's own DeepseekV3 model class and loader (CPU, torch backend)."""
+"""DeepSeek/GLM-style MoE (sigmoid routing with a correction bias, routed scaling, a shared expert, a dense first layer;
+DeepSeek-V3 with MLA attention and grouped top-k, GLM-4.5 with GQA) in the reference's hybrid layout: routed experts
+rank-sliced EXL3, everything else BF16, through SGLang's own model classes and loader (CPU, torch backend)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ def runtime():
     sglang_runtime()
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(plain HF bf16, hybrid EXL3, the hybrid dequantized back to bf16): a two-layer DeepSeek-V3 (layer 0 dense, layer
-    1 with 8 routed experts of 128, top-2 over 2 groups, one shared expert, routed scaling 2.5)."""
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def checkpoints(request, tmp_path_factory):
+    """(plain HF bf16, hybrid EXL3, the hybrid dequantized back to bf16): a two-layer model (layer 0 dense, layer 1 with
+    8 routed experts of 128, top-2, one shared expert, routed scaling 2.5; synth/hf_models.py)."""
     from sglang_exl3.synth.hf_models import make_random_hf_model
     from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf
     from sglang_exl3.tools.dequantize import dequantize_checkpoint
 
-    root = tmp_path_factory.mktemp("deepseek")
-    make_random_hf_model("deepseek_v3", root / "plain")
+    root = tmp_path_factory.mktemp(request.param)
+    make_random_hf_model(request.param, root / "plain")
     hybrid = write_hybrid_from_hf(root / "plain", root / "hybrid", bits=3, tp=1, rotation_layout="shared_h_v1")
     dequantize_checkpoint(hybrid, root / "twin", dtype="bfloat16", progress=False)
     return root / "plain", hybrid, root / "twin"
@@ -45,7 +45,8 @@ def test_shared_expert_fusion_is_declared_off_for_exl3_only(checkpoints):
 
     def ours(path, **kw):
         args = ServerArgs(model_path=str(path), device="cpu", attention_backend="torch_native", **kw)
-        declared = collect_model_override_declarations("DeepseekV3ForCausalLM", args, AutoConfig.from_pretrained(path))
+        hf = AutoConfig.from_pretrained(path)
+        declared = collect_model_override_declarations(hf.architectures[0], args, hf)
         return [d for source, d in declared if source == keep_shared_experts_apart.__qualname__]
 
     assert ours(hybrid) == [{"disable_shared_experts_fusion": True}]
@@ -53,10 +54,10 @@ def test_shared_expert_fusion_is_declared_off_for_exl3_only(checkpoints):
     assert ours(plain, quantization="exl3") == [{"disable_shared_experts_fusion": True}]
 
 
-def test_hybrid_deepseek_matches_its_twin(checkpoints):
-    """The hybrid through SGLang's DeepseekV3 class: routed experts on the EXL3 MoE method (rank-sliced, shared-H),
-    shared expert / attention / routers unquantized and identical to the twin's; the MoE block (router, grouped top-k,
-    experts, routed scaling applied once, shared expert) equals the same block computed from the twin's weights."""
+def test_hybrid_matches_its_twin(checkpoints):
+    """The hybrid through SGLang's model class: routed experts on the EXL3 MoE method (rank-sliced, shared-H), shared
+    expert / attention / routers unquantized and identical to the twin's; the MoE block (router, top-k, experts, routed
+    scaling applied once, shared expert) equals the same block computed from the twin's weights."""
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
 
     _, hybrid, twin_path = checkpoints
@@ -66,7 +67,9 @@ def test_hybrid_deepseek_matches_its_twin(checkpoints):
     block, twin_block = model.model.layers[1].mlp, twin.model.layers[1].mlp
     assert type(block.experts.quant_method).__name__ == "Exl3MoEMethod" and block.experts.quant_method.shared_h
     assert type(block.shared_experts.gate_up_proj.quant_method).__name__ == "UnquantizedLinearMethod"
-    assert type(model.model.layers[1].self_attn.kv_b_proj.quant_method).__name__ == "UnquantizedLinearMethod"
+    attn = model.model.layers[1].self_attn
+    projection = getattr(attn, "kv_b_proj", None) or attn.qkv_proj  # MLA (DeepSeek) or GQA (GLM)
+    assert type(projection.quant_method).__name__ == "UnquantizedLinearMethod"
     assert getattr(block, "num_fused_shared_experts", 0) == 0
     ours = dict(model.named_parameters())
     for name, p in twin.named_parameters():
@@ -80,12 +83,13 @@ def test_hybrid_deepseek_matches_its_twin(checkpoints):
     routed = block.experts.quant_method.apply(block.experts, StandardDispatchOutput(
         hidden_states=x, hidden_states_scale=None, topk_output=topk)).hidden_states.float()
     w13, w2 = twin_block.experts.w13_weight.float(), twin_block.experts.w2_weight.float()
+    inter = w2.shape[2]
     want = torch.zeros(7, 256)
     for t in range(7):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gate_up = x[t].float() @ w13[e].T
-            want[t] += float(weights[t, j]) * ((torch.nn.functional.silu(gate_up[:128]) * gate_up[128:]) @ w2[e].T)
+            want[t] += float(weights[t, j]) * ((torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]) @ w2[e].T)
     assert float((routed - want).norm() / want.norm()) < 2e-2
 
     got = block(x).float()  # SGLang's own block forward: shared expert + routed_scaling_factor x routed
