@@ -8,8 +8,9 @@
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
-# parity-moe / parity-rs / parity-pw      serving parity (PARITY_BACKEND: our kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
-#                                         fixture; a dense Llama with piecewise prefill graphs
+# parity-moe / parity-rs / parity-hybrid / parity-pw   serving parity (PARITY_BACKEND: our kernels by default):
+#                                         exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced fixture; GLM-4.5 / DeepSeek-V3
+#                                         hybrids (shared experts); a dense Llama with piecewise prefill graphs
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
@@ -91,6 +92,15 @@ run_step() {
     python3 -m sglang_exl3 write-fixture /tmp/rs-qwen3moe-mcg-3bpw --arch qwen3_moe --codebook mcg --bits 3 \
       --rank-sliced-tp 1 --rotation-layout shared_h_v1 >"$work/write.txt" 2>&1 || cat "$work/write.txt"
     parity rs --ckpt /tmp/rs-qwen3moe-mcg-3bpw
+    ;;
+  parity-hybrid)  # GLM-4.5 and DeepSeek-V3 shaped hybrids (rank-sliced EXL3 experts, BF16 rest, shared experts)
+    site_env
+    for arch in glm4_moe deepseek_v3; do
+      python3 -c "from sglang_exl3.synth.hf_models import make_random_hf_model as m; \
+from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf as w; \
+w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>&1 || cat "$work/write-$arch.txt"
+    done
+    parity hybrid --ckpt /tmp/hybrid-glm4_moe --ckpt /tmp/hybrid-deepseek_v3
     ;;
   parity-pw)
     site_env

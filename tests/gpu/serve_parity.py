@@ -241,7 +241,7 @@ def moe_shape(ckpt: Path) -> tuple[int, int] | None:
     """(layers, experts per token) of an MoE checkpoint whose SGLang model can return its routed experts, else
     None."""
     cfg = json.loads((ckpt / "config.json").read_text())
-    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")):
         return None
     if set(cfg.get("architectures", [])) & NO_ROUTED_CAPTURE:
         return None
