@@ -96,7 +96,8 @@ def keep_shared_experts_apart(server_args, hf_config) -> dict:
 def register_model_overrides() -> None:
     from sglang.srt.arg_groups import overrides
 
-    if not any(fn is keep_shared_experts_apart for _, fn in overrides._PREDICATE_OVERRIDE_FNS):
+    registered = getattr(overrides, "_PREDICATE_OVERRIDE_FNS", [])  # plugins may load twice in one process
+    if not any(fn is keep_shared_experts_apart for _, fn in registered):
         overrides.register_model_override_predicate(lambda architecture: True)(keep_shared_experts_apart)
 
 
