@@ -9,7 +9,6 @@ the CPU, which it does.
 
 from __future__ import annotations
 
-import glob
 from functools import cache
 from pathlib import Path
 
@@ -119,16 +118,9 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
 
 
 def load_model(path: Path):
-    """SGLang's own model class for the checkpoint, weights loaded (and processed after loading) by SGLang's
-    default loader, as in a server."""
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.models.registry import ModelRegistry
-
-    hf, cfg = exl3_config(path)
-    model_cls, _ = ModelRegistry.resolve_model_cls(hf.architectures)
-    model = model_cls(hf, quant_config=cfg)
-    # through the loader SGLang's server uses, so the plugin's hooks around it run as they would there
-    DefaultModelLoader.load_weights_and_postprocess(
-        model, safetensors_weights_iterator(sorted(glob.glob(str(path / "*.safetensors")))), torch.device("cpu"))
+    """An EXL3 checkpoint through SGLang's own model class and default loader, as in a server (load_as_server on the
+    CPU)."""
+    model, cfg = load_as_server(Path(path))
+    if cfg is None:
+        raise ValueError(f"{path} is not an EXL3 checkpoint")
     return model, cfg

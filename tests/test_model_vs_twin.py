@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import twin_moe
 
 from conftest import DATA
 from sglang_cpu import load_as_server, sglang_runtime
@@ -105,23 +106,6 @@ def test_linear_layers_equal_the_twin(models):
     assert hybrid or ("lm_head" in checked and any("qkv_proj" in n for n in checked))  # a hybrid has no EXL3 linears
 
 
-def _twin_moe(experts, x, ids, weights, activation: str) -> torch.Tensor:
-    """fp32 reference from the twin's FusedMoE weights: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
-    w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
-    inter = w2.shape[2]
-    act = torch.nn.functional.silu if activation == "silu" else (
-        lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
-    out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
-    xf = x.float()
-    for j in range(ids.shape[1]):
-        for e in ids[:, j].unique().tolist():
-            rows = (ids[:, j] == e).nonzero(as_tuple=True)[0]
-            gate_up = xf[rows] @ w13[e].T
-            hidden = act(gate_up[:, :inter]) * gate_up[:, inter:]
-            out[rows] += weights[rows, j, None] * (hidden @ w2[e].T)
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m", MOE_ROWS)
 def test_moe_layers_equal_the_twin(models, m, dtype):
@@ -145,7 +129,7 @@ def test_moe_layers_equal_the_twin(models, m, dtype):
         dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
                                           topk_output=StandardTopKOutput(weights, ids, torch.zeros(m, n_exp)))
         got = experts.quant_method.apply(experts, dispatch).hidden_states.float()
-        want = _twin_moe(theirs[name], x, ids, weights, cfg.activation)
+        want = twin_moe(theirs[name], x, ids, weights, cfg.activation == "gelu")
         if cfg.routed_scaling_factor is not None and DEVICE == "cuda":  # as SGLang's runner there (moe.py apply)
             want = want * cfg.routed_scaling_factor
         assert torch.isfinite(got).all(), (name, m)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import codec_moe
 
 from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format import Codebook
@@ -131,17 +132,7 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
     else:
         got = routed_moe(x, ids, w, *banks, gelu, run=run, build=ck.routed_table_builder(on_host=True), fused=False)
 
-    act = (lambda g: torch.nn.functional.gelu(g, approximate="tanh")) if gelu else torch.nn.functional.silu
-    want = torch.zeros(tokens, hidden)
-    for t in range(tokens):
-        for j in range(topk):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            gate = exl3_linear_reference(x[t:t + 1], *weights[e][0], cb).float()
-            up = exl3_linear_reference(x[t:t + 1], *weights[e][1], cb).float()
-            h = (act(gate) * up).half()
-            want[t] += float(w[t, j]) * exl3_linear_reference(h, *weights[e][2], cb).float()[0]
+    want = codec_moe(x, ids, w, weights, cb, gelu)
     assert not torch.isnan(got).any()
     assert torch.allclose(got, want, rtol=2e-3, atol=2e-4), (got - want).abs().max()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import codec_moe
 
-from sglang_exl3.codec import exl3_linear_reference, had_r_128, reconstruct
+from sglang_exl3.codec import had_r_128, reconstruct
 from sglang_exl3.format import Codebook
 from sglang_exl3.layers.moe_rotated import reference_gemm, rotate, rotated_forward
 
@@ -43,18 +44,7 @@ def test_rotated_forward_equals_the_codec(tokens, topk, gelu):
     w = torch.rand(tokens, topk, generator=gen)
     got = rotated_forward(tuple(weights), tuple(rotations), x, w, ids, gelu, reference_gemm)
 
-    act = (lambda g: torch.nn.functional.gelu(g, approximate="tanh")) if gelu else torch.nn.functional.silu
-    want = torch.zeros(tokens, hidden)
-    for t in range(tokens):
-        xt = x[t:t + 1].half()
-        for j in range(topk):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            gate = exl3_linear_reference(xt, *experts[e][0], cb).float()
-            up = exl3_linear_reference(xt, *experts[e][1], cb).float()
-            h = (act(gate) * up).half()
-            want[t] += float(w[t, j]) * exl3_linear_reference(h, *experts[e][2], cb).float()[0]
+    want = codec_moe(x, ids, w, experts, cb, gelu)
     assert torch.isfinite(got).all()
     assert float((got - want).norm() / want.norm()) < 3e-3
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import twin_moe
 
 from sglang_cpu import load_as_server, sglang_runtime
 
@@ -82,14 +83,7 @@ def test_hybrid_matches_its_twin(checkpoints):
     weights, ids = topk.topk_weights, topk.topk_ids
     routed = block.experts.quant_method.apply(block.experts, StandardDispatchOutput(
         hidden_states=x, hidden_states_scale=None, topk_output=topk)).hidden_states.float()
-    w13, w2 = twin_block.experts.w13_weight.float(), twin_block.experts.w2_weight.float()
-    inter = w2.shape[2]
-    want = torch.zeros(7, 256)
-    for t in range(7):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate_up = x[t].float() @ w13[e].T
-            want[t] += float(weights[t, j]) * ((torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]) @ w2[e].T)
+    want = twin_moe(twin_block.experts, x, ids, weights)
     assert float((routed - want).norm() / want.norm()) < 2e-2
 
     got = block(x).float()  # SGLang's own block forward: shared expert + routed_scaling_factor x routed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import codec_moe
 
 from sglang_exl3.codec import exl3_linear_reference, had_r_128, reconstruct
 from sglang_exl3.format import Codebook
@@ -280,18 +281,7 @@ def test_moe_routed_op_matches_reference_and_captures(op, m, topk, id_dtype):
         return x, ids, w
 
     def reference(x, ids, w):
-        out = torch.zeros(m, hidden)
-        for t in range(m):
-            for j in range(topk):
-                e = int(ids[t, j])
-                if e < 0:
-                    continue
-                (gt, gs, gv), (ut, us, uv), (dt, ds, dv) = experts[e]
-                g = exl3_linear_reference(x[t:t + 1], gt, gs, gv, Codebook.MUL1).float()
-                u = exl3_linear_reference(x[t:t + 1], ut, us, uv, Codebook.MUL1).float()
-                h = (torch.nn.functional.silu(g) * u).half()
-                out[t] += float(w[t, j]) * exl3_linear_reference(h, dt, ds, dv, Codebook.MUL1).float()[0]
-        return out
+        return codec_moe(x, ids, w, experts, Codebook.MUL1)
 
     def run(x, ids, w):
         return getattr(torch.ops.exl3, op)(x, ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)

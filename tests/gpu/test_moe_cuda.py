@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from moe_reference import codec_moe
 
-from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format import Codebook
 
 pytestmark = pytest.mark.gpu
@@ -70,24 +70,8 @@ def _method(layer):
 
 
 def _reference(cpu, x, ids, w):
-    """The codec, each expert's W_hat decoded once (decoding per token made this test take minutes on the CPU)."""
-    from sglang_exl3.codec.trellis import reconstruct
-
-    w_hat = {}
-
-    def linear(inp, e, role):
-        t, s, v = cpu[e][role]
-        if (e, role) not in w_hat:
-            w_hat[e, role] = reconstruct(t, Codebook.MCG)
-        return exl3_linear_reference(inp, t, s, v, Codebook.MCG, w_hat=w_hat[e, role]).float()
-
-    out = torch.zeros(x.shape[0], HIDDEN)
-    for t in range(x.shape[0]):
-        for j in range(TOPK):
-            e = int(ids[t, j])
-            h = (torch.nn.functional.silu(linear(x[t:t + 1], e, "w1")) * linear(x[t:t + 1], e, "w3")).half()
-            out[t] += float(w[t, j]) * linear(h, e, "w2")[0]
-    return out
+    """The codec's forward over the experts as _layer drew them."""
+    return codec_moe(x, ids, w, [(c["w1"], c["w3"], c["w2"]) for c in cpu], Codebook.MCG)
 
 
 @pytest.mark.parametrize("m", [3, 300])
