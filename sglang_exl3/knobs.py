@@ -73,6 +73,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_EXT_PATH"),
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
+    Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "
+         "weights in fp32 and log the layer, rows and path where they disagree (slow)"),
     Knob("TRELLIS_MIN_M", 1, "positive_int", help="MoE decode plan: smallest m (below: parity path)",
          vllm_name="VLLM_EXL3_TRELLIS_MIN_M"),
     Knob("TRELLIS_MAX_M", 32, "positive_int", help="MoE decode plan: largest m",

@@ -88,21 +88,19 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
     unquantized), the quantization config from its parsed quantization_config, SGLang's model class built on
     `device` (parameters in `dtype`, as `--dtype` gives), SGLang's default loader (the plugin's hook normalises
     rank-sliced names). Returns (model, quantization config or None)."""
+    from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
     from sglang.srt.models.registry import ModelRegistry
 
     from sglang_exl3.integration import hooks
-    from sglang_exl3.layers.exl3_config import Exl3Config
 
     config = ModelConfig(str(path))
     model_cls, _ = ModelRegistry.resolve_model_cls(config.hf_config.architectures)
     cfg = None
-    if config.quantization == "exl3":
-        cfg = Exl3Config.from_config({**config._parse_quant_hf_config(), "hf_config": config.hf_config,
-                                      "packed_modules_mapping": dict(getattr(model_cls, "packed_modules_mapping",
-                                                                             {}))})
+    if config.quantization == "exl3":  # the loader's own call (it reads hf_config.quantization_config)
+        cfg = _get_quantization_config(config, LoadConfig())
     else:
         hooks.set_active_config(None)  # a plain model must not pick up the last EXL3 model's lm_head config
     default = torch.get_default_dtype()

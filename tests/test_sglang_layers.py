@@ -419,3 +419,24 @@ def test_rank_sliced_checkpoint_is_not_claimed_when_the_user_asks_for_another_me
     except ValueError:  # SGLang's own check of the user's method against the checkpoint
         return
     assert quantization != "exl3"
+
+
+def test_rank_sliced_tensors_without_their_claim_fail_at_load(tmp_path):
+    """SGLang's loader builds the quantization config from hf_config.quantization_config, which lacked the
+    hybrid_tr3_tail claim: the `.rank{r}` expert tensors then matched no layer, the experts were built unquantized
+    and the server answered NaN (seventh session). The server's path now carries the claim (first half); a config
+    that still arrives without it stops the load, naming what is missing (second half)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import _get_quantization_config
+
+    from sglang_exl3.format.rank_sliced import RankSlicedError
+    from sglang_exl3.layers.exl3_config import Exl3Config
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
+                                        rotation_layout="shared_h_v1", seed=3)
+    assert _get_quantization_config(ModelConfig(str(path)), LoadConfig()).rank_sliced is not None
+    with pytest.raises(RankSlicedError, match="received no hybrid_tr3_tail"):
+        Exl3Config.from_config({"quant_method": "exl3", "model_path": str(path)})

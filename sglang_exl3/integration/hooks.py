@@ -39,7 +39,12 @@ def rank_sliced_quant_config(original, self, *args, **kwargs):
     tail = getattr(self.hf_config, "hybrid_tr3_tail", None)
     if override_quantization_method({"hybrid_tr3_tail": tail}, getattr(self, "quantization", None)) == "exl3":
         parsed = {**(parsed or {}), "quant_method": "exl3", "hybrid_tr3_tail": tail,
-                  "checkpoint_quant_method": (parsed or {}).get("quant_method")}
+                  "checkpoint_quant_method": (parsed or {}).get("checkpoint_quant_method",
+                                                                (parsed or {}).get("quant_method"))}
+        # The model loader builds the quantization config from hf_config.quantization_config, not from this
+        # parse: without the claim there, a hybrid (no quantization_config) got a pass-through config and one
+        # naming exl3 lost its tail, and either way the experts loaded as unquantized garbage (seventh session).
+        self.hf_config.quantization_config = dict(parsed)
     return parsed
 
 

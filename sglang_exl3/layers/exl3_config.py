@@ -87,12 +87,18 @@ class Exl3Config(QuantizationConfig):
         if not path or not os.path.isdir(path):
             raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
                              f"path is {path!r}; pass a local folder to --model-path")
-        rank_sliced = None
-        if config.get("hybrid_tr3_tail") is not None:
-            from sglang_exl3.format.rank_sliced import parse
+        from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, RankSlicedError, parse
 
-            rank_sliced = parse(config, path)  # RankSlicedError naming the offending key
+        rank_sliced = None
+        tail = config.get("hybrid_tr3_tail") or getattr(hf_config, "hybrid_tr3_tail", None)
+        if tail is not None:
+            rank_sliced = parse({"hybrid_tr3_tail": tail}, path)  # RankSlicedError naming the offending key
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
+        sliced = next((n for n in ckpt.tensors if RANK_SLICED_WEIGHT_RE.match(n)), None)
+        if rank_sliced is None and sliced is not None:
+            raise RankSlicedError(f"{path} holds rank-sliced EXL3 tensors ({sliced}, ...) but the EXL3 quantization "
+                                  "config received no hybrid_tr3_tail, so its experts would load as garbage; "
+                                  "config.json needs the hybrid_tr3_tail block the checkpoint was written with")
         logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s%s", path, len(ckpt.modules),
                     sorted({m.codebook.label for m in ckpt.modules.values()}),
                     f", rank-sliced experts ({rank_sliced.bits} bits, tp={rank_sliced.tp}, "

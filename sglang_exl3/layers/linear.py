@@ -32,6 +32,7 @@ from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.format import Codebook, Exl3ModuleRecord
 from sglang_exl3.kernels.backends import Backend, resolve_backend
+from sglang_exl3.layers import output_check
 from sglang_exl3.layers.tp_slicing import Exl3Slice, slice_columns, slice_rows
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,10 @@ class Exl3LinearMethod(LinearMethodBase):
         else:
             outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if output_check.enabled(x16):
+            want = torch.cat([output_check.shard_reference(x16, s) for s in layer.exl3_shards], dim=-1)
+            path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
+            output_check.report(layer, where, path, x16, y, want)
         if bias is not None:
             y = y.float() + bias.float()
         return y.to(x.dtype).reshape(*lead, y.shape[-1])

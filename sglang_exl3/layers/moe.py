@@ -26,6 +26,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from sglang_exl3.format import Exl3ModuleRecord
 from sglang_exl3.format.rank_sliced import ROLE_H_SIDE
 from sglang_exl3.kernels.backends import resolve_backend
+from sglang_exl3.layers import output_check
 from sglang_exl3.layers.linear import (
     Exl3Shard,
     build_shard,
@@ -163,6 +164,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=x.device)
             for path, r0, r1 in segments:
                 out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
+        if output_check.enabled(rows):
+            want = output_check.moe_reference(rows, layer.exl3_experts, topk_weights, topk_ids,
+                                              self.moe_runner_config.activation == "gelu")
+            output_check.report(layer, f"EXL3 MoE {self.prefix}", "+".join(s[0] for s in segments), rows, out, want)
         scale = self.moe_runner_config.routed_scaling_factor
         # On CUDA SGLang's MoE runner applies routed_scaling_factor, so this method does; elsewhere its models scale
         # the routed output themselves (DeepSeek-V2/V3, GLM-4.5 MoE: `if not _is_cuda: final *= routed_scaling_factor`)

@@ -37,7 +37,7 @@ parity() {  # NAME ARGS...: one serve_parity run into $work/NAME
   local name=$1
   shift
   stop_servers
-  timeout "${PARITY_TIMEOUT:-420}" python3 tests/gpu/serve_parity.py "$work/$name" --backend "${PARITY_BACKEND:-cuda}" "$@" 2>&1 |
+  timeout "${PARITY_TIMEOUT:-420}" python3 tests/gpu/serve_parity.py "$work/$name" --backend "${PARITY_BACKEND:-cuda}" ${PARITY_EXTRA:+"--extra=$PARITY_EXTRA"} "$@" 2>&1 |
     tee "$work/$name.txt" | grep -v "^wrote" | tail -8
 }
 
@@ -95,12 +95,14 @@ run_step() {
     ;;
   parity-hybrid)  # GLM-4.5 and DeepSeek-V3 shaped hybrids (rank-sliced EXL3 experts, BF16 rest, shared experts)
     site_env
-    for arch in glm4_moe deepseek_v3; do
+    local ckpts=()
+    for arch in ${HYBRID_ARCHS:-glm4_moe deepseek_v3}; do
+      ckpts+=(--ckpt "/tmp/hybrid-$arch")
       python3 -c "from sglang_exl3.synth.hf_models import make_random_hf_model as m; \
 from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf as w; \
 w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>&1 || cat "$work/write-$arch.txt"
     done
-    parity hybrid --ckpt /tmp/hybrid-glm4_moe --ckpt /tmp/hybrid-deepseek_v3
+    parity hybrid "${ckpts[@]}"
     ;;
   parity-pw)
     site_env
