@@ -440,3 +440,21 @@ def test_rank_sliced_tensors_without_their_claim_fail_at_load(tmp_path):
     assert _get_quantization_config(ModelConfig(str(path)), LoadConfig()).rank_sliced is not None
     with pytest.raises(RankSlicedError, match="received no hybrid_tr3_tail"):
         Exl3Config.from_config({"quant_method": "exl3", "model_path": str(path)})
+
+
+def test_rank_sliced_layers_without_the_exl3_moe_method_fail_at_load(tmp_path):
+    """After loading, every built layer whose rank-sliced experts the checkpoint holds must run them as EXL3: a layer
+    SGLang built otherwise (a dense MLP there, an MoE class the plugin does not know) has its expert tensors skipped
+    by the loader. The loader hook runs this check; here it also runs on a model with one MoE layer's EXL3 experts
+    taken away, which it must name."""
+    from sglang_exl3.format.rank_sliced import RankSlicedError
+    from sglang_exl3.synth.exl3_writer import ModelDims
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    path = write_rank_sliced_checkpoint(tmp_path / "rs", dims=ModelDims(num_hidden_layers=2), bits=3, tp=1,
+                                        rotation_layout="shared_h_v1", seed=3)
+    model, cfg = load_as_server(path)
+    cfg.check_rank_sliced_layers(model)
+    del model.model.layers[1].mlp.experts.exl3_experts
+    with pytest.raises(RankSlicedError, match=r"layers \[1\] hold rank-sliced EXL3 experts"):
+        cfg.check_rank_sliced_layers(model)

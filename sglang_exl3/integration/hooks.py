@@ -56,9 +56,11 @@ def rank_sliced_weights(original, model, weights, target_device):
     config = getattr(model, "quant_config", None)
     if getattr(config, "rank_sliced", None) is None:
         config = ACTIVE_CONFIG
-    if getattr(config, "rank_sliced", None) is not None:
-        weights = _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0)
-    return original(model, weights, target_device)
+    if getattr(config, "rank_sliced", None) is None:
+        return original(model, weights, target_device)
+    result = original(model, _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0), target_device)
+    config.check_rank_sliced_layers(model)  # SGLang's loader skips names no module takes: nothing may vanish
+    return result
 
 
 def _normalized(weights, spec, rank: int):

@@ -131,6 +131,29 @@ class Exl3Config(QuantizationConfig):
                              "The model's layer names differ from the checkpoint's; add the fused layer to the "
                              "model's packed_modules_mapping")
 
+    def check_rank_sliced_layers(self, model: torch.nn.Module) -> None:
+        """After loading: every built layer whose rank-sliced experts the checkpoint holds runs them as EXL3. A layer
+        SGLang built without our MoE method (a dense MLP where the checkpoint has experts, an MoE class the config
+        does not recognise) would have its `.rank{r}` tensors skipped by the loader and serve garbage."""
+        from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, RankSlicedError
+
+        if self.rank_sliced is None or self.checkpoint is None:
+            return
+        stored = {int(m.group(1)) for n in self.checkpoint.tensors
+                  if RANK_SLICED_WEIGHT_RE.match(n) and (m := _LAYER_ID.search(n))}
+        built, served = set(), set()
+        for name, module in model.named_modules():
+            if (m := _LAYER_ID.search(f".{name}.")) is not None:
+                built.add(int(m.group(1)))
+                if hasattr(module, "exl3_experts"):
+                    served.add(int(m.group(1)))
+        lost = sorted((stored & built) - served)
+        if lost:
+            raise RankSlicedError(f"{self.checkpoint.path}: layers {lost} hold rank-sliced EXL3 experts, but SGLang "
+                                  "built them without the EXL3 MoE method (a dense MLP, or an MoE layer class this "
+                                  "plugin does not know), so their expert weights would be dropped; check the "
+                                  "model config against hybrid_tr3_tail.moe_layers")
+
     def get_scaled_act_names(self) -> list[str]:
         return []
 
