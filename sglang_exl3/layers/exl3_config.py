@@ -141,10 +141,11 @@ class Exl3Config(QuantizationConfig):
             return
         stored = {int(m.group(1)) for n in self.checkpoint.tensors
                   if RANK_SLICED_WEIGHT_RE.match(n) and (m := _LAYER_ID.search(n))}
-        built, served = set(), set()
+        built, served = set(), set()  # built: the layer has its MLP here (pipeline parallelism builds a stand-in)
         for name, module in model.named_modules():
             if (m := _LAYER_ID.search(f".{name}.")) is not None:
-                built.add(int(m.group(1)))
+                if name.endswith(f"layers.{m.group(1)}.mlp"):
+                    built.add(int(m.group(1)))
                 if hasattr(module, "exl3_experts"):
                     served.add(int(m.group(1)))
         lost = sorted((stored & built) - served)
