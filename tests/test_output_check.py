@@ -16,8 +16,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CKPT = DATA / "exllamav3" / "tiny-qwen3moe-mul1-4bpw"
 
 
-@pytest.fixture(scope="module")
-def model():
+def _model():
+    """A fresh model: each layer reads the knob at its first forward and keeps it."""
     sglang_runtime(device="cpu")
     exl3, _ = load_as_server(CKPT, "cpu")
     return exl3
@@ -40,8 +40,9 @@ def _records(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "EXL3 output check" in r.getMessage()]
 
 
-def test_check_names_the_wrong_layer_and_passes_the_right_ones(model, monkeypatch, caplog):
+def test_check_names_the_wrong_layer_and_passes_the_right_ones(monkeypatch, caplog):
     monkeypatch.setenv("SGLANG_EXL3_CHECK_OUTPUTS", "1")
+    model = _model()
     caplog.set_level(logging.INFO, logger="sglang_exl3.layers.output_check")
     gen = torch.Generator().manual_seed(0)
     modules = dict(model.named_modules())
@@ -74,7 +75,8 @@ def test_check_names_the_wrong_layer_and_passes_the_right_ones(model, monkeypatc
     assert len(failed) == 1 and moes[0] in failed[0] and "path=" in failed[0], failed
 
 
-def test_check_is_off_by_default(model, caplog):
+def test_check_is_off_by_default(caplog):
+    model = _model()
     caplog.set_level(logging.INFO, logger="sglang_exl3.layers.output_check")
     layer = next(mod for mod in model.modules() if hasattr(mod, "exl3_shards"))
     layer.quant_method.apply(layer, torch.randn(2, layer.exl3_shards[0].in_features))

@@ -273,7 +273,7 @@ class Exl3LinearMethod(LinearMethodBase):
         else:
             outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        if output_check.enabled(x16):
+        if output_check.enabled(layer, x16):
             want = torch.cat([output_check.shard_reference(x16, s) for s in layer.exl3_shards], dim=-1)
             path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
             output_check.report(layer, where, path, x16, y, want)

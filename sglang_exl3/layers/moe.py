@@ -164,7 +164,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=x.device)
             for path, r0, r1 in segments:
                 out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
-        if output_check.enabled(rows):
+        if output_check.enabled(layer, rows):
             want = output_check.moe_reference(rows, layer.exl3_experts, topk_weights, topk_ids,
                                               self.moe_runner_config.activation == "gelu")
             output_check.report(layer, f"EXL3 MoE {self.prefix}", "+".join(s[0] for s in segments), rows, out, want)

@@ -27,12 +27,15 @@ REL_TOL = 2e-2  # fp16 roundings of the served path (activations, rotations) sta
 MAX_REPORTS = 20  # warnings per layer
 
 
-def enabled(x: torch.Tensor) -> bool:
-    from sglang_exl3 import knobs
+def enabled(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether this forward of `layer` is checked. The knob is read at the layer's first forward and kept on the
+    layer (knobs are fixed for a process): every eager forward afterwards pays one attribute lookup, not a parse."""
+    on = getattr(layer, "exl3_check_outputs", None)
+    if on is None:
+        from sglang_exl3 import knobs
 
-    if not knobs.get("CHECK_OUTPUTS"):
-        return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        on = layer.exl3_check_outputs = bool(knobs.get("CHECK_OUTPUTS"))
+    return on and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _w_hat(shard: Exl3Shard) -> torch.Tensor:
