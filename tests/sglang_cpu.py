@@ -85,19 +85,20 @@ def process(module: torch.nn.Module) -> None:
 
 def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
     """What a server does: ModelConfig (the plugin's hooks claim EXL3 and rank-sliced checkpoints; a plain one stays
-    unquantized), the quantization config from its parsed quantization_config, SGLang's model class built on
+    unquantized), the quantization config from its parsed quantization_config, the model class SGLang's loader
+    picks (`get_model_architecture`, with the plugin's hooks) built on
     `device` (parameters in `dtype`, as `--dtype` gives), SGLang's default loader (the plugin's hook normalises
     rank-sliced names). Returns (model, quantization config or None)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config
+    from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.models.registry import ModelRegistry
 
     from sglang_exl3.integration import hooks
 
     config = ModelConfig(str(path))
-    model_cls, _ = ModelRegistry.resolve_model_cls(config.hf_config.architectures)
+    model_cls, _ = get_model_architecture(config)  # the loader's own choice (SGLang swaps some model classes)
     cfg = None
     if config.quantization == "exl3":  # the loader's own call (it reads hf_config.quantization_config)
         cfg = _get_quantization_config(config, LoadConfig())

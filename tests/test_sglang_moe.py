@@ -49,6 +49,9 @@ def _reference_moe(ckpt, i, block, roles, x, weights, ids):
 def _check_layers(name, block, roles, rows=6):
     path = DATA / "exllamav3" / name
     model, cfg = load_model(path)
+    # SGLang's loader would swap Mixtral for its per-expert QuantMixtralForCausalLM (dense over all experts, its
+    # own fp16 routing) without the plugin's hook; the server must build the FusedMoE class, as for fp16.
+    assert type(model).__name__ == load_checkpoint(path).config["architectures"][0]
     ckpt = load_checkpoint(path)
     gen = torch.Generator().manual_seed(rows)
     for i, layer in enumerate(model.model.layers):

@@ -8,6 +8,10 @@ passing `quant_config`, so an EXL3 `lm_head` would be built unquantized and its 
 skipped by the loader. While a model is being built from an EXL3 checkpoint whose `lm_head` is EXL3,
 the head gets the EXL3 config. The "active" config is the one SGLang created last in this process:
 SGLang builds each model (target, then draft) right after creating its quantization config.
+
+`mixtral_through_fused_moe`: SGLang swaps `MixtralForCausalLM` for `QuantMixtralForCausalLM` (a loop over
+per-expert MLPs that runs every expert on every token, with its own fp16 routing) for every quantization
+method outside a short list. EXL3 has a FusedMoE method, so its Mixtral keeps the real model class.
 """
 
 from __future__ import annotations
@@ -108,6 +112,21 @@ def register_model_overrides() -> None:
         overrides.register_model_override_predicate(lambda architecture: True)(keep_shared_experts_apart)
 
 
+def mixtral_through_fused_moe(original, model_config, *args, **kwargs):
+    """AROUND `model_loader.utils.get_model_architecture`: an EXL3 Mixtral resolves to `MixtralForCausalLM`
+    (FusedMoE, so `Exl3MoEMethod` and SGLang's own TopK routing), not to the per-expert `QuantMixtralForCausalLM`
+    that SGLang picks for quantization methods it does not list. Without this the EXL3 server ran all experts
+    densely and routed differently from an fp16 Mixtral served by the same SGLang (eighth session)."""
+    archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
+    if getattr(model_config, "quantization", None) != "exl3" or "MixtralForCausalLM" not in archs:
+        return original(model_config, *args, **kwargs)
+    model_config.quantization = None  # the swap is keyed on a quantization method outside SGLang's list
+    try:
+        return original(model_config, *args, **kwargs)
+    finally:
+        model_config.quantization = "exl3"
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -117,3 +136,5 @@ def register_hooks() -> None:
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
                           rank_sliced_weights, HookType.AROUND)
+    HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
+                          mixtral_through_fused_moe, HookType.AROUND)
