@@ -6,6 +6,7 @@ rounding alone causes, which a strict serving-parity tolerance must leave room f
 excuse). `--router-scale S` multiplies the routers' weights (a model with more decisive routing).
 
   python benchmarks/routing_sensitivity.py TWIN_DIR [--router-scale 1,20] [--name NAME]
+  python benchmarks/routing_sensitivity.py TWIN_DIR --at 44:40,6:d6   # router margins where a parity run failed
 
 Writes benchmarks/results/routing-sensitivity-<name>-cpu.{json,md}.
 """
@@ -75,15 +76,64 @@ def compare(twin: Path, scale: float, seed: int) -> dict:
     return stats
 
 
+def prefix_margins(twin: Path, seed: int, decode: int) -> list[tuple[int, torch.Tensor]]:
+    """Per prompt (extended by `decode` greedy tokens of the fp32 twin, as a server at temperature 0 would), its
+    length and the smallest top-k router margin (probability of the k-th minus the (k+1)-th expert) over all layers
+    and all positions up to each position: logprobs can only move through a routing flip at or before them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    topk = model.config.num_experts_per_tok
+    out = []
+    with torch.no_grad():
+        for ids in prompts(seed):
+            seq = list(ids)
+            for _ in range(decode):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            _, routers = _run(model, seq)
+            margin = torch.full((len(seq),), float("inf"))
+            for r in routers:
+                probs = r.softmax(-1).sort(-1, descending=True).values
+                margin = torch.minimum(margin, probs[:, topk - 1] - probs[:, topk])
+            out.append((len(ids), torch.cummin(margin, 0).values))
+    return out
+
+
+def report_at(twin: Path, seed: int, spec: str, decode: int = 8) -> list[dict]:
+    """Where the named failures of a parity run sit among all positions' prefix margins. Items are PROMPT:POS
+    (prefill: the logprobs at POS come from position POS - 1) or PROMPT:dPOS (decode: the distribution of
+    generated token POS, computed at prompt length - 1 + POS)."""
+    series = prefix_margins(twin, seed, decode)
+    everything = torch.cat([m for _, m in series])
+    rows = []
+    for item in spec.split(","):
+        prompt, pos = item.split(":")
+        n, margins = series[int(prompt)]
+        at = n - 1 + int(pos[1:]) if pos.startswith("d") else int(pos) - 1
+        m = float(margins[at])
+        rows.append({"prompt": int(prompt), "position": pos, "prefix_margin": f"{m:.3g}",
+                     "share_of_positions_at_or_below": f"{float((everything <= m).float().mean()):.4f}",
+                     "positions": everything.numel()})
+        print("ROW", rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("twin", type=Path)
     ap.add_argument("--router-scale", default="1")
     ap.add_argument("--name", default=None)
     ap.add_argument("--seed", type=int, default=None, help="serve_parity's prompt seed (default: len(name))")
+    ap.add_argument("--at", default=None, help="PROMPT:POS or PROMPT:dPOS,...: margins where parity failed")
     args = ap.parse_args()
     name = args.name or args.twin.name
     seed = len(name) if args.seed is None else args.seed
+    if args.at:
+        rows = report_at(args.twin, seed, args.at)
+        head = {"command": " ".join(["python"] + sys.argv), "gpu": "cpu", "torch": torch.__version__,
+                "triton": "-", "model": name, "prompt_seed": seed}
+        write_results(f"routing-margins-{name}", head, rows, list(rows[0]))
+        return 0
     rows = [compare(args.twin, float(s), seed) for s in args.router_scale.split(",")]
     for r in rows:
         print("ROW", r, flush=True)

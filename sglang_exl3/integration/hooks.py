@@ -12,6 +12,10 @@ SGLang builds each model (target, then draft) right after creating its quantizat
 `mixtral_through_fused_moe`: SGLang swaps `MixtralForCausalLM` for `QuantMixtralForCausalLM` (a loop over
 per-expert MLPs that runs every expert on every token, with its own fp16 routing) for every quantization
 method outside a short list. EXL3 has a FusedMoE method, so its Mixtral keeps the real model class.
+
+`moe_topk_layer_id`: SGLang 0.5.17's Mixtral builds its `TopK` without the layer id it was given, so
+`--enable-return-routed-experts` crashes any Mixtral server (EXL3 or not) when the routed-expert capturer
+indexes its buffer with None; the hook hands the block's layer id to its TopK when the model left it unset.
 """
 
 from __future__ import annotations
@@ -127,6 +131,20 @@ def mixtral_through_fused_moe(original, model_config, *args, **kwargs):
         model_config.quantization = "exl3"
 
 
+def moe_topk_layer_id(original, self, *args, **kwargs):
+    """AROUND a sparse-MoE block's `__init__` (Mixtral): its TopK gets the block's `layer_id` if it has none.
+    (Dropped in the fifth session because the capture disagreed for every token: the EXL3 server was running
+    QuantMixtralForCausalLM, which has no TopK at all; see `mixtral_through_fused_moe`.)"""
+    import inspect
+
+    result = original(self, *args, **kwargs)
+    layer_id = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("layer_id")
+    topk = getattr(self, "topk", None)
+    if topk is not None and getattr(topk, "layer_id", 0) is None and layer_id is not None:
+        topk.layer_id = layer_id
+    return result
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -138,3 +156,4 @@ def register_hooks() -> None:
                           rank_sliced_weights, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
                           mixtral_through_fused_moe, HookType.AROUND)
+    HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)

@@ -229,12 +229,10 @@ def main() -> int:
     return 0 if ok else 1
 
 
-# Models compared by the strict rule, without routing-aware excuses. SGLang 0.5.17's Mixtral builds its TopK
-# without a layer id, so `--enable-return-routed-experts` crashes even the plain fp16 server at prefill-graph
-# capture. Handing the TopK its layer id (tried as a plugin hook, H200, 2026-12-02, fifth session) stops the crash,
-# but the two servers then reported different experts for 100% of tokens while their logprobs agreed to 0.09 nats
-# without the flag: the capture is not trustworthy for Mixtral there, so it is not used (and not patched).
-NO_ROUTED_CAPTURE = {"MixtralForCausalLM"}
+# Models compared by the strict rule, without routing-aware excuses (none now). Mixtral was one until the eighth
+# session: its EXL3 server ran SGLang's QuantMixtralForCausalLM (no TopK, so no capture) while the fp16 twin ran
+# MixtralForCausalLM; the plugin now keeps MixtralForCausalLM and hands its TopK the layer id.
+NO_ROUTED_CAPTURE: set[str] = set()
 
 
 def moe_shape(ckpt: Path) -> tuple[int, int] | None:
