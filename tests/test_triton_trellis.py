@@ -27,7 +27,7 @@ def test_in_triton_interpreter():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           capture_output=True, text=True, env=env, cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"\b31 passed", proc.stdout), proc.stdout[-500:]
+    assert re.search(r"\b34 passed", proc.stdout), proc.stdout[-500:]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,27 @@ def test_triton_gemm_matches_reference(kernels, cb, bits, m):
     x = torch.randn(m, k, generator=gen).half()
     xh = had_r_128(x, pre_scale=suh)
     acc = module.triton_gemm_rotated(xh.to(device), trellis.to(device), cb, splits=2).cpu()
+    y = had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
+    ref = exl3_linear_reference(x, trellis, suh, svh, cb)
+    assert torch.isfinite(y).all()
+    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
+@pytest.mark.parametrize("cb, bits, m", [(Codebook.MCG, 4, 37), (Codebook.MUL1, 3, 20), (Codebook.INST3, 2.5, 9)])
+def test_triton_gemm_tiles_matches_reference(kernels, cb, bits, m):
+    """The large-m kernel on the CUDA kernels' layout ([N/16, K/16, words], what the layers keep after load),
+    several row blocks including a partial one."""
+    module, device = kernels
+    gen = torch.Generator().manual_seed(100 + m)
+    k, n = 128, 128
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, int(bits * 16)), generator=gen, dtype=torch.int16)
+    suh = (torch.randn(k, generator=gen) * 0.1).half()
+    svh = (torch.randn(n, generator=gen) * 0.1).half()
+    x = torch.randn(m, k, generator=gen).half()
+    xh = had_r_128(x, pre_scale=suh)
+    tiles = trellis.permute(1, 0, 2).contiguous()  # cuda_trellis.prepare's layout
+    acc = module.triton_gemm_tiles(xh.to(device), tiles.to(device), cb, block_m=16, block_n=32, block_k=32,
+                                   num_warps=4, num_stages=1).cpu()
     y = had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
     ref = exl3_linear_reference(x, trellis, suh, svh, cb)
     assert torch.isfinite(y).all()

@@ -7,8 +7,13 @@ stream words and a shift; the codebook is an integer multiply plus either a mask
 inside the 16x16 tile is the mma B-fragment bit permutation, inverted here: for element (r, c),
 p = (c%8)<<5 | ((r%8)//2)<<3 | (c//8)<<2 | (r//8)<<1 | (r%2).
 
+`triton_gemm_tiles` is the large-m candidate: each program decodes its [BLOCK_K, BLOCK_N] weight blocks once for
+BLOCK_M (128-256) rows and feeds them to `tl.dot` (wgmma on Hopper), so no fp16 W_hat goes through HBM as in
+reconstruct + cuBLAS. It reads the CUDA kernels' prepare()d layout.
+
 Status: correctness verified against the reference codec in Triton's interpreter on CPU
-(tests/test_triton_trellis.py); speed on the H200 not measured yet (issue: Hopper kernels).
+(tests/test_triton_trellis.py). On the H200 the small-m split-K kernel lost to the CUDA kernels (NOTES, second
+session); `triton_gemm_tiles` is not measured yet (benchmarks/prefill_ab.py).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from sglang_exl3.format.constants import Codebook
 
 
 @triton.jit
-def _decode_block(trellis_ptr, k_tile0, n0, nt, WORDS: tl.constexpr, CB: tl.constexpr,
+def _decode_block(trellis_ptr, k_tile0, n0, stride_tk, stride_tn, WORDS: tl.constexpr, CB: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """fp16 [BLOCK_K, BLOCK_N] block of W_hat starting at row 16*k_tile0, column n0."""
+    """fp16 [BLOCK_K, BLOCK_N] block of W_hat starting at row 16*k_tile0, column n0. Tile (tk, tn) starts at word
+    tk * stride_tk + tn * stride_tn: the checkpoint layout [K/16, N/16, words] (stride_tk = N/16 * words) or the
+    CUDA kernels' prepare()d layout [N/16, K/16, words] (stride_tn = K/16 * words)."""
     r = tl.arange(0, BLOCK_K)[:, None]
     c = tl.arange(0, BLOCK_N)[None, :]
     tk = k_tile0 + r // 16
@@ -38,7 +45,7 @@ def _decode_block(trellis_ptr, k_tile0, n0, nt, WORDS: tl.constexpr, CB: tl.cons
     i0 = start >> 4
     i1 = (i0 + 1) % WORDS
     shift = 16 - (start & 15)
-    base = (tk * nt + tn) * WORDS
+    base = tk * stride_tk + tn * stride_tn
     w0 = tl.load(trellis_ptr + base + (i0 ^ 1)).to(tl.int32) & 0xFFFF  # pair swap: stream order
     w1 = tl.load(trellis_ptr + base + (i1 ^ 1)).to(tl.int32) & 0xFFFF
     window = ((w0 << 16) | w1).to(tl.uint32)
@@ -70,7 +77,7 @@ def _reconstruct_kernel(trellis_ptr, out_ptr, K, N, nt, WORDS: tl.constexpr, CB:
     pid_n = tl.program_id(1)
     k0 = pid_k * BLOCK_K
     n0 = pid_n * BLOCK_N
-    w = _decode_block(trellis_ptr, k0 // 16, n0, nt, WORDS, CB, BLOCK_K, BLOCK_N)
+    w = _decode_block(trellis_ptr, k0 // 16, n0, nt * WORDS, WORDS, WORDS, CB, BLOCK_K, BLOCK_N)
     r = k0 + tl.arange(0, BLOCK_K)[:, None]
     c = n0 + tl.arange(0, BLOCK_N)[None, :]
     tl.store(out_ptr + r * N + c, w)
@@ -104,7 +111,7 @@ def _gemm_splitk_kernel(x_ptr, trellis_ptr, acc_ptr, M, K, N, nt, K_TILES_PER_SP
         kt = kt0 + i
         kk = kt * 16 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + m[:, None] * K + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = _decode_block(trellis_ptr, kt, n0, nt, WORDS, CB, BLOCK_K, BLOCK_N)
+        w = _decode_block(trellis_ptr, kt, n0, nt * WORDS, WORDS, WORDS, CB, BLOCK_K, BLOCK_N)
         acc += tl.dot(a, w)
     cols = n0 + tl.arange(0, BLOCK_N)
     tl.atomic_add(acc_ptr + m[:, None] * N + cols[None, :], acc, mask=m[:, None] < M)
@@ -129,3 +136,40 @@ def triton_gemm_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: Codeb
     _gemm_splitk_kernel[grid](xh, trellis, acc, m, k, n, nt, K_TILES_PER_SPLIT=per_split, WORDS=words, CB=int(codebook),
                               BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n)
     return acc
+
+
+@triton.jit
+def _gemm_tiles_kernel(x_ptr, trellis_ptr, y_ptr, M, K: tl.constexpr, N, kt, WORDS: tl.constexpr, CB: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[M, N] (fp32) = x[M, K] @ W_hat[K, N], W_hat decoded block by block from the prepare()d layout. K is a
+    constexpr (one compile per input width) because Triton's interpreter cannot loop to a runtime bound."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (checked by the caller)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + m[:, None] * K + kk[None, :], mask=m[:, None] < M, other=0.0)
+        w = _decode_block(trellis_ptr, k0 // 16, n0, WORDS, kt * WORDS, WORDS, CB, BLOCK_K, BLOCK_N)
+        acc += tl.dot(a, w)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + m[:, None] * N + cols[None, :], acc, mask=m[:, None] < M)
+
+
+def triton_gemm_tiles(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook, block_m: int = 128,
+                      block_n: int = 128, block_k: int = 64, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+    """fp32 [m, N] = xh (fp16 [m, K], already rotated) @ W_hat for large m, from the CUDA kernels' prepare()d
+    weights [N/16, K/16, words]: each weight block is decoded once per BLOCK_M rows (no W_hat in HBM)."""
+    nt, kt, words = tiles.shape
+    k, n = kt * 16, nt * 16
+    if xh.dtype != torch.float16 or not xh.is_contiguous() or xh.shape[1] != k:
+        raise ValueError(f"xh must be contiguous fp16 [m, {k}], got {xh.dtype} {tuple(xh.shape)}")
+    if k % block_k or n % block_n or block_k % 16 or block_n % 16:
+        raise ValueError(f"K={k} and N={n} must be multiples of block_k={block_k} and block_n={block_n} (of 16)")
+    m = xh.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32, device=xh.device)
+    grid = (n // block_n, -(-m // block_m))
+    _gemm_tiles_kernel[grid](xh, tiles, y, m, k, n, kt, WORDS=words, CB=int(codebook), BLOCK_M=block_m,
+                             BLOCK_K=block_k, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return y
