@@ -120,32 +120,34 @@ def bf16_time(k: int, n: int, m: int, xs) -> float | None:
     return _time_or_none(lambda i: xb[i % 4] @ ws[i % copies], copies)
 
 
-def _tune_one(k: int, n: int, bits: int, bw: float) -> list[dict]:
+def _tune_one(k: int, n: int, bits: int, m: int, bw: float) -> list[dict]:
     from sglang_exl3.kernels import cuda_trellis as ck
 
     w = Weights(k, n, bits)
-    xs = [torch.randn(1, k, device="cuda").half() for _ in range(4)]
+    xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
     rows = []
-    for wps in (8, 16, 24, 32, 48, 64, 96):
+    for wps in (8, 16, 20, 24, 32, 48, 64, 96):
         splits = ck.default_splits(k // 16, n // 16, xs[0].device, warps_per_sm=wps)
 
         def fn(i, s=splits):
             return ck.exl3_linear(xs[i % 4], w.tiles[i % w.copies], w.suh, w.svh, Codebook.MCG, splits=s,
                                   path="fused")
 
-        rows.append({"k": k, "n": n, "bits": bits, "warps_per_sm": wps, "splits": splits,
+        rows.append({"k": k, "n": n, "bits": bits, "m": m, "warps_per_sm": wps, "splits": splits,
                      "us": _time_or_none(fn, w.copies), "roofline_us": w.t_bytes / bw * 1e6})
         print(rows[-1], flush=True)
     return rows
 
 
-def tune(bw: float) -> list[dict]:
-    """Split-K occupancy sweep at m = 1 (warps per SM the default split count aims for)."""
+def tune(bw: float, ms: list[int]) -> list[dict]:
+    """Split-K occupancy sweep (warps per SM the default split count aims for) at each m: m = 9-16 runs the
+    two-row-group variant (86 registers: 20 resident warps per SM, not the 32 of m <= 8)."""
     rows = []
-    for k, n in SHAPES[:5]:
-        for bits in (2, 4, 6):
-            rows += _tune_one(k, n, bits, bw)
-            torch.cuda.empty_cache()
+    for m in ms:
+        for k, n in SHAPES[:5]:
+            for bits in (2, 4, 6):
+                rows += _tune_one(k, n, bits, m, bw)
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -228,7 +230,8 @@ def main() -> int:
     ap.add_argument("--ext-path", default=None, help="folder holding a built exllamav3_ext")
     ap.add_argument("--shapes", default=None, help="comma-separated indexes into SHAPES (split a run over calls)")
     ap.add_argument("--bits", default=None, help="comma-separated bitrates (default: all)")
-    ap.add_argument("--tune", action="store_true", help="split-K sweep at m = 1 instead of the table")
+    ap.add_argument("--tune", action="store_true", help="split-K sweep instead of the table")
+    ap.add_argument("--tune-ms", default="1", help="with --tune: comma-separated m (e.g. 1,16)")
     ap.add_argument("--merge", nargs="+", help="merge results (JSON, or logs with ROW lines) of split runs")
     ap.add_argument("--header", default=None, help="with --merge: JSON file of header fields")
     ap.add_argument("--crossover", type=int, default=None, help="with --merge: re-derive ours_us for this crossover")
@@ -246,8 +249,9 @@ def main() -> int:
     head["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     head["kernel_library"] = str(ck.library_path())
     if args.tune:
-        rows = tune(bw)
-        write_results("kernels-tune", head, rows, ["k", "n", "bits", "warps_per_sm", "splits", "us", "roofline_us"])
+        rows = tune(bw, [int(v) for v in args.tune_ms.split(",")])
+        write_results("kernels-tune", head, rows, ["k", "n", "bits", "m", "warps_per_sm", "splits", "us",
+                                                   "roofline_us"])
         return 0
     ext = _exllamav3_ext(args.ext_path)
     shapes, ms, bits_list = (SHAPES[:3], [1, 4, 16, 64], [2, 4]) if args.quick else (SHAPES, MS, BITS)
