@@ -57,6 +57,8 @@ def _check_layers(name, block, roles, rows=6):
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer, block).experts
         assert type(experts.quant_method).__name__ == "Exl3MoEMethod"
+        # routed-expert capture indexes by the TopK's layer id (Mixtral's is set by the plugin's hook)
+        assert getattr(layer, block).topk.layer_id == i
         x = torch.randn(rows, 256, generator=gen).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(rows)]).to(torch.int32)
         weights = torch.rand(rows, 2, generator=gen)
