@@ -49,6 +49,27 @@ def test_model_layers_match_reference_codec(path):
     assert type(model.model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+def test_loader_builds_the_class_the_checkpoint_names(tmp_path, arch):
+    """SGLang's loader swaps some model classes for quantization methods it does not list (Mixtral ->
+    QuantMixtralForCausalLM: every expert on every token, its own routing); an EXL3 checkpoint must get the class
+    its config names, the one its fp16 twin gets."""
+    import json
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+    path = write_exl3_checkpoint(tmp_path / "ckpt", arch, dims=ModelDims(num_hidden_layers=1, vocab_size=512),
+                                 bits=4, codebook="mul1", with_tokenizer=False)
+    config = ModelConfig(str(path))
+    assert config.quantization == "exl3"
+    _, resolved = get_model_architecture(config)
+    assert resolved == json.loads((path / "config.json").read_text())["architectures"][0]
+    assert config.quantization == "exl3"  # the hook restores what it lent out
+
+
 def test_model_config_autodetects_exl3():
     from sglang.srt.configs.model_config import ModelConfig
 
