@@ -35,6 +35,12 @@ def _run(model, ids: list[int]):
     return out.logits[0].float().log_softmax(-1), [r.float() for r in out.router_logits]
 
 
+def _topk_margin(router_logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per token: router probability of the k-th expert minus the (k+1)-th (how near a routing flip is)."""
+    probs = router_logits.softmax(-1).sort(-1, descending=True).values
+    return probs[:, topk - 1] - probs[:, topk]
+
+
 def compare(twin: Path, scale: float, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -63,8 +69,7 @@ def compare(twin: Path, scale: float, seed: int) -> dict:
                 changed |= (sa != sb).any(-1)
                 pa, pb = a.softmax(-1), b.softmax(-1)
                 stats["max_router_prob_change"] = max(stats["max_router_prob_change"], float((pa - pb).abs().max()))
-                probs = pa.sort(-1, descending=True).values
-                token_margin = torch.minimum(token_margin, probs[:, topk - 1] - probs[:, topk])
+                token_margin = torch.minimum(token_margin, _topk_margin(a, topk))
             margins.append(token_margin)
             stats["min_router_margin"] = min(stats["min_router_margin"], float(token_margin.min()))
             stats["tokens"] += len(ids)
@@ -93,8 +98,7 @@ def prefix_margins(twin: Path, seed: int, decode: int) -> list[tuple[int, torch.
             _, routers = _run(model, seq)
             margin = torch.full((len(seq),), float("inf"))
             for r in routers:
-                probs = r.softmax(-1).sort(-1, descending=True).values
-                margin = torch.minimum(margin, probs[:, topk - 1] - probs[:, topk])
+                margin = torch.minimum(margin, _topk_margin(r, topk))
             out.append((len(ids), torch.cummin(margin, 0).values))
     return out
 

@@ -51,22 +51,28 @@ def test_triton_reconstruct_bit_exact(kernels, cb, bits):
     assert torch.equal(ours.view(torch.int16), reconstruct(trellis, cb).view(torch.int16))
 
 
-@pytest.mark.parametrize("cb, bits, m", [(Codebook.MUL1, 4, 1), (Codebook.MCG, 3, 5), (Codebook.INST3, 2, 17),
-                                          (Codebook.MUL1, 2.5, 3)])
-def test_triton_gemm_matches_reference(kernels, cb, bits, m):
-    module, device = kernels
-    gen = torch.Generator().manual_seed(m)
+def _check_rotated_gemm(gemm, cb: Codebook, bits: float, m: int, seed: int) -> None:
+    """A 128x128 EXL3 linear through `gemm(xh, trellis) -> fp32 acc` (rotated basis, checkpoint-layout trellis) and
+    the codec's rotations, against the reference linear: finite and within fp16 accumulation."""
+    gen = torch.Generator().manual_seed(seed)
     k, n = 128, 128
     trellis = torch.randint(-32768, 32768, (k // 16, n // 16, int(bits * 16)), generator=gen, dtype=torch.int16)
     suh = (torch.randn(k, generator=gen) * 0.1).half()
     svh = (torch.randn(n, generator=gen) * 0.1).half()
     x = torch.randn(m, k, generator=gen).half()
-    xh = had_r_128(x, pre_scale=suh)
-    acc = module.triton_gemm_rotated(xh.to(device), trellis.to(device), cb, splits=2).cpu()
+    acc = gemm(had_r_128(x, pre_scale=suh), trellis)
     y = had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
     ref = exl3_linear_reference(x, trellis, suh, svh, cb)
     assert torch.isfinite(y).all()
     assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+
+@pytest.mark.parametrize("cb, bits, m", [(Codebook.MUL1, 4, 1), (Codebook.MCG, 3, 5), (Codebook.INST3, 2, 17),
+                                          (Codebook.MUL1, 2.5, 3)])
+def test_triton_gemm_matches_reference(kernels, cb, bits, m):
+    module, device = kernels
+    _check_rotated_gemm(lambda xh, trellis: module.triton_gemm_rotated(xh.to(device), trellis.to(device), cb,
+                                                                       splits=2).cpu(), cb, bits, m, seed=m)
 
 
 @pytest.mark.parametrize("cb, bits, m", [(Codebook.MCG, 4, 37), (Codebook.MUL1, 3, 20), (Codebook.INST3, 2.5, 9)])
@@ -74,17 +80,10 @@ def test_triton_gemm_tiles_matches_reference(kernels, cb, bits, m):
     """The large-m kernel on the CUDA kernels' layout ([N/16, K/16, words], what the layers keep after load),
     several row blocks including a partial one."""
     module, device = kernels
-    gen = torch.Generator().manual_seed(100 + m)
-    k, n = 128, 128
-    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, int(bits * 16)), generator=gen, dtype=torch.int16)
-    suh = (torch.randn(k, generator=gen) * 0.1).half()
-    svh = (torch.randn(n, generator=gen) * 0.1).half()
-    x = torch.randn(m, k, generator=gen).half()
-    xh = had_r_128(x, pre_scale=suh)
-    tiles = trellis.permute(1, 0, 2).contiguous()  # cuda_trellis.prepare's layout
-    acc = module.triton_gemm_tiles(xh.to(device), tiles.to(device), cb, block_m=16, block_n=32, block_k=32,
-                                   num_warps=4, num_stages=1).cpu()
-    y = had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
-    ref = exl3_linear_reference(x, trellis, suh, svh, cb)
-    assert torch.isfinite(y).all()
-    assert ((y.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+
+    def gemm(xh, trellis):
+        tiles = trellis.permute(1, 0, 2).contiguous()  # cuda_trellis.prepare's layout
+        return module.triton_gemm_tiles(xh.to(device), tiles.to(device), cb, block_m=16, block_n=32, block_k=32,
+                                        num_warps=4, num_stages=1).cpu()
+
+    _check_rotated_gemm(gemm, cb, bits, m, seed=100 + m)
