@@ -68,9 +68,12 @@ def stall_table(rows: list[dict[str, str]]) -> tuple[list[tuple[str, int]], list
     return totals.most_common(), hot
 
 
-def render(details: Path, source: Path) -> str:
+TITLE = "ncu profile of the fused GEMM (m = 1, 4096 x 14336, 4 bits)"
+
+
+def render(details: Path, source: Path, title: str = TITLE) -> str:
     by_id = details_rows(details)
-    out = ["# ncu profile of the fused GEMM (m = 1, 4096 x 14336, 4 bits)", ""]
+    out = [f"# {title}", ""]
     sections = source_sections(source)
     for launch_id, rows in sorted(by_id.items()):
         kernel = rows[0]["Kernel Name"]
@@ -97,8 +100,9 @@ def main() -> None:
     ap.add_argument("details", type=Path)
     ap.add_argument("source", type=Path)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--title", default=TITLE, help="the table's heading (what was profiled)")
     args = ap.parse_args()
-    args.out.write_text(render(args.details, args.source))
+    args.out.write_text(render(args.details, args.source, args.title))
     print(f"wrote {args.out}")
 
 
