@@ -5,7 +5,7 @@ each call in a graph reads its own copy of the weights, with enough copies to ex
 "ours" is the product's path for that m (fused decode GEMM up to the crossover, else reconstruct + cuBLAS);
 both paths are also recorded where both apply, to choose the crossover from data.
 
-  python benchmarks/kernels.py [--quick] [--shapes 0,1] [--ext-path DIR] [--tune]
+  python benchmarks/kernels.py [--quick] [--shapes 0,1] [--bits 2,4] [--ms 1,16] [--ext-path DIR] [--tune]
   python benchmarks/kernels.py --merge a.json b.json ...   (one table from runs split over calls)
 
 Writes benchmarks/results/kernels-<gpu>.{json,md,png} (suffixed for --quick / --shapes runs).
@@ -230,6 +230,7 @@ def main() -> int:
     ap.add_argument("--ext-path", default=None, help="folder holding a built exllamav3_ext")
     ap.add_argument("--shapes", default=None, help="comma-separated indexes into SHAPES (split a run over calls)")
     ap.add_argument("--bits", default=None, help="comma-separated bitrates (default: all)")
+    ap.add_argument("--ms", default=None, help="comma-separated row counts (default: all of MS)")
     ap.add_argument("--tune", action="store_true", help="split-K sweep instead of the table")
     ap.add_argument("--tune-ms", default="1", help="with --tune: comma-separated m (e.g. 1,16)")
     ap.add_argument("--merge", nargs="+", help="merge results (JSON, or logs with ROW lines) of split runs")
@@ -259,6 +260,8 @@ def main() -> int:
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.bits:
         bits_list = [int(b) for b in args.bits.split(",")]
+    if args.ms:
+        ms = [int(m) for m in args.ms.split(",")]
     fused_max_m = ck.FUSED_CROSSOVER_M
     head["fused_max_m"] = fused_max_m
     rows = []
@@ -274,8 +277,9 @@ def main() -> int:
                     print("ROW " + json.dumps(r), flush=True)  # survives a run cut short (merge with --rows)
             del w
             torch.cuda.empty_cache()
-    tag = "kernels" if not (args.quick or args.shapes or args.bits) else \
-        "kernels-" + ("quick" if args.quick else f"s{args.shapes or 'all'}-b{args.bits or 'all'}").replace(",", "")
+    tag = "kernels" if not (args.quick or args.shapes or args.bits or args.ms) else \
+        "kernels-" + ("quick" if args.quick else f"s{args.shapes or 'all'}-b{args.bits or 'all'}"
+                      + (f"-m{args.ms}" if args.ms else "")).replace(",", "")
     path = write_results(tag, head, rows, COLUMNS)
     plot(rows, path.with_suffix(".png"))
     return 0

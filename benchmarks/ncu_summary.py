@@ -71,10 +71,31 @@ def stall_table(rows: list[dict[str, str]]) -> tuple[list[tuple[str, int]], list
 TITLE = "ncu profile of the fused GEMM (m = 1, 4096 x 14336, 4 bits)"
 
 
-def render(details: Path, source: Path, title: str = TITLE) -> str:
+COMPACT = ["Duration", "DRAM Throughput", "Compute (SM) Throughput", "Memory Throughput", "Grid Size",
+           "Registers Per Thread"]
+
+
+def compact_table(by_id: dict[str, list[dict[str, str]]]) -> list[str]:
+    """One row per launch (a multi-kernel path's time split): name, then the COMPACT metrics."""
+    out = ["| launch | kernel | " + " | ".join(COMPACT) + " |", "|---" * (len(COMPACT) + 2) + "|"]
+    total = 0.0
+    for launch_id, rows in sorted(by_id.items(), key=lambda kv: int(kv[0])):
+        values = {r["Metric Name"]: (r["Metric Value"], r["Metric Unit"]) for r in rows}
+        name = rows[0]["Kernel Name"].split("(")[0].replace("void ", "")[:60]
+        cells = [f"{values[k][0]} {values[k][1]}".strip() if k in values else "" for k in COMPACT]
+        dur, unit = values.get("Duration", ("0", "us"))
+        total += float(dur.replace(",", "")) * (1e-3 if unit == "ns" else 1e3 if unit == "ms" else 1.0)
+        out.append(f"| {launch_id} | `{name}` | " + " | ".join(cells) + " |")
+    out += ["", f"Sum of durations: {total:.1f} us (kernels only; launch gaps not included)", ""]
+    return out
+
+
+def render(details: Path, source: Path | None, title: str = TITLE, compact: bool = False) -> str:
     by_id = details_rows(details)
     out = [f"# {title}", ""]
-    sections = source_sections(source)
+    if compact:
+        return "\n".join(out + compact_table(by_id))
+    sections = source_sections(source) if source else []
     for launch_id, rows in sorted(by_id.items()):
         kernel = rows[0]["Kernel Name"]
         out += [f"## launch {launch_id}: `{kernel}`", "", "| metric | unit | value |", "|---|---|---|"]
@@ -98,11 +119,12 @@ def render(details: Path, source: Path, title: str = TITLE) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("details", type=Path)
-    ap.add_argument("source", type=Path)
+    ap.add_argument("source", type=Path, nargs="?", help="the source page export (stall samples); optional")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default=TITLE, help="the table's heading (what was profiled)")
+    ap.add_argument("--compact", action="store_true", help="one row per launch (e.g. a --set basic profile)")
     args = ap.parse_args()
-    args.out.write_text(render(args.details, args.source, args.title))
+    args.out.write_text(render(args.details, args.source, args.title, args.compact))
     print(f"wrote {args.out}")
 
 

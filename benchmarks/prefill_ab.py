@@ -6,7 +6,7 @@ writes and re-reads an fp16 W_hat each call (1.4-2.4x in benchmarks/results/kern
 side, CUDA-graph replay over several weight copies (more than L2), the whole linear (both Hadamard rotations
 included) for every Triton config tried, and the GEMM alone. Outputs are checked against the reconstruct path first.
 
-  python benchmarks/prefill_ab.py [--shapes 4096x14336,14336x4096] [--ms 256,2048] [--bits 4]
+  python benchmarks/prefill_ab.py [--shapes 4096x14336,14336x4096] [--ms 256,2048] [--bits 4] [--slices 128,16]
 
 Writes benchmarks/results/prefill-<gpu>.{json,md}.
 """
@@ -80,21 +80,61 @@ def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
     return row
 
 
+def bench_slices(k: int, n: int, m: int, bits: int, cb: Codebook, slices_mb: list[int]) -> dict:
+    """The reconstruct path with W_hat reconstructed in column slices of each size: a slice small enough to stay
+    in L2 between the reconstruct that writes it and the cuBLAS GEMM that reads it skips its HBM round trip."""
+    gen = torch.Generator().manual_seed(k + n + m + bits)
+    tiles = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), generator=gen,
+                                      dtype=torch.int16).cuda()) for _ in range(COPIES)]
+    suh = (torch.randn(k, generator=gen) * 0.1).half().cuda()
+    svh = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+    x = torch.randn(m, k, generator=gen).half().cuda()
+    w_bf16 = [ck.reconstruct(t, cb).bfloat16() for t in tiles]
+    xb = x.bfloat16()
+    row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label,
+           "bf16_us": graph_us(lambda i: xb @ w_bf16[i % COPIES], COPIES)}
+    default = ck.RECONSTRUCT_SLICE_BYTES
+    want = ck.exl3_linear(x, tiles[0], suh, svh, cb, path="reconstruct").float()
+    try:
+        for mb in slices_mb:
+            ck.RECONSTRUCT_SLICE_BYTES = mb << 20
+            got = ck.exl3_linear(x, tiles[0], suh, svh, cb, path="reconstruct").float()
+            if not torch.equal(got, want):  # same columns, same cuBLAS shape per column: expected identical
+                print(f"{k}x{n} m={m} slice {mb} MB: rel {float((got - want).norm() / want.norm()):.2e}",
+                      file=sys.stderr)
+            us = graph_us(lambda i: ck.exl3_linear(x, tiles[i % COPIES], suh, svh, cb, path="reconstruct"), COPIES)
+            row[f"slice{mb}mb_us"] = us
+            row[f"slice{mb}mb_vs_bf16"] = us / row["bf16_us"]
+    finally:
+        ck.RECONSTRUCT_SLICE_BYTES = default
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="4096x14336,14336x4096")
     ap.add_argument("--ms", default="256,2048")
     ap.add_argument("--bits", default="4")
+    ap.add_argument("--slices", default=None, help="comma-separated W_hat slice sizes in MB: time only the "
+                                                   "reconstruct path per slice size (prefill-slices table)")
     args = ap.parse_args()
+    slices = [int(v) for v in args.slices.split(",")] if args.slices else None
     rows = []
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
         for bits in (int(b) for b in args.bits.split(",")):
             for m in (int(v) for v in args.ms.split(",")):
-                rows.append(bench_case(k, n, m, bits, Codebook.MCG))
+                rows.append(bench_slices(k, n, m, bits, Codebook.MCG, slices) if slices else
+                            bench_case(k, n, m, bits, Codebook.MCG))
                 print("ROW", rows[-1], flush=True)
                 torch.cuda.empty_cache()
-    write_results("prefill", header(["python"] + sys.argv), rows, COLUMNS)
+    if slices:
+        cols = ["k", "n", "m", "bits", "codebook", "bf16_us"]
+        for mb in slices:
+            cols += [f"slice{mb}mb_us", f"slice{mb}mb_vs_bf16"]
+        write_results("prefill-slices", header(["python"] + sys.argv), rows, cols)
+    else:
+        write_results("prefill", header(["python"] + sys.argv), rows, COLUMNS)
     return 0
 
 

@@ -28,12 +28,19 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 8
+ABI_VERSION = 9
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
 FUSED_CROSSOVER_M = 32
 RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
+# Rows for which the small-m GEMM stages x in shared memory (one ldmatrix per tile, 48-56 registers instead of 64-96):
+# 1.04-1.32x at m = 8 and 1.3-1.8x at m = 16; at m = 1-4 within +-3% for MCG, mostly 1.01-1.05x for MUL1
+# (benchmarks/results/xs-ab-h200.md, xs-splits-h200.md). So MCG / 3INST from 8 rows, MUL1 from 1.
+XS_MIN_M, XS_MAX_M = 8, 16
+XS_MIN_M_MUL1 = 1
+XS_SMEM_BYTES = 24 << 10  # x slice per block: splits grow until it fits (8 blocks of 4 warps per SM stay resident)
+XS_GROUP_SMEM_BYTES = 48 << 10  # a group's splits are fixed at load: above this slice, global loads
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -148,9 +155,10 @@ def _open_library(path: str) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.exl3_reconstruct.argtypes = [p, p, i, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial.argtypes = [p, p, p, i, i, i, i, i, i, p]
+    lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
-    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, p]
+    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
@@ -248,15 +256,33 @@ def default_splits(k_tiles: int, n_tiles: int, device: torch.device, warps_per_s
                    min_tiles_per_warp: int = 16) -> int:
     """Split K so that the (16-column strip, K split) work items -- one warp each -- about fill the resident
     warps of every SM, keeping at least `min_tiles_per_warp` tiles per warp (benchmarks/kernels.py --tune on
-    the H200: fewer, longer warps lose occupancy; more, shorter ones pay their set-up and the reduction)."""
+    the H200: fewer, longer warps lose occupancy; more, shorter ones pay their set-up and the reduction). Where
+    one wave would take fewer than 4 splits, rounding is coarse (5120 x 27648: 2.4 -> 2, a 0.8 wave); aim for two
+    waves there (5 splits: 4-6% faster, benchmarks/results/xs-splits-h200.md)."""
     capacity = _sm_count(device.index or 0) * warps_per_sm
-    splits = max(1, round(capacity / n_tiles))
+    waves = capacity / n_tiles
+    splits = max(1, round(waves if waves >= 4 else 2 * waves))
     return max(1, min(splits, k_tiles // min_tiles_per_warp))
 
 
+def xs_min_splits(m: int, k_tiles: int, smem_bytes: int = XS_SMEM_BYTES) -> int:
+    """Fewest K splits whose x slice (min(m, 16) rows, 32 bytes per tile + a 16-byte skew) fits `smem_bytes` of
+    shared memory per block."""
+    rows = min(m, 16)
+    slice_tiles = max(1, (smem_bytes // rows - 16) // 32)
+    return -(-k_tiles // slice_tiles)
+
+
+def use_xs(m: int, n_tiles: int, codebook: Codebook | int | None = None) -> bool:
+    """Whether the GEMM stages x in shared memory (one ldmatrix per tile instead of per-lane global loads)."""
+    lo = XS_MIN_M_MUL1 if codebook is not None and int(codebook) == int(Codebook.MUL1) else XS_MIN_M
+    return lo <= m <= XS_MAX_M and n_tiles % 4 == 0
+
+
 def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
-                         splits: int | None = None) -> torch.Tensor:
-    """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64."""
+                         splits: int | None = None, xs: bool | None = None) -> torch.Tensor:
+    """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64.
+    `xs`: stage x in shared memory (m <= 16; None: `use_xs`); the partials are the same bit for bit."""
     _check_tiles(tiles)
     nt, kt, _ = tiles.shape
     m = xh.shape[0]
@@ -264,10 +290,19 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
         raise ValueError(f"xh must be contiguous fp16 [m, {kt * 16}], got {xh.dtype} {tuple(xh.shape)}")
     if m > FUSED_MAX_M:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
-    splits = splits or default_splits(kt, nt, xh.device)
+    if xs and (m > 16 or nt % 4):
+        raise ValueError(f"x in shared memory takes m <= 16 and N % 64 == 0, got m={m}, N={nt * 16}")
+    if xs is None:  # the policy; a caller's own splits keep global loads where their slice is too long
+        xs = use_xs(m, nt, codebook) and (not splits or min(m, 16) * (-(-kt // splits) * 32 + 16)
+                                           <= XS_GROUP_SMEM_BYTES)
+    if not splits:
+        splits = default_splits(kt, nt, xh.device)
+        if xs:
+            splits = min(kt, max(splits, xs_min_splits(m, kt)))
     partial = torch.empty(splits, m, nt * 16, dtype=torch.float32, device=xh.device)
-    _check(load_library().exl3_gemm_partial(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt, splits,
-                                            _k2(tiles), int(codebook), _stream(xh)), "gemm")
+    fn = load_library().exl3_gemm_partial_xs if xs else load_library().exl3_gemm_partial
+    _check(fn(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt, splits, _k2(tiles), int(codebook),
+              _stream(xh)), "gemm")
     return partial
 
 
@@ -327,17 +362,25 @@ class Exl3Group:
     k2: int
     codebook: int
     sources: tuple = ()
+    max_slice: int = 0  # the longest K slice of any source, in tiles (sizes x in shared memory)
 
     @property
     def meta(self) -> list[int]:
         """The ints a registered op needs to rebuild this group around its table (see from_meta)."""
-        return [self.num, self.k_tiles, self.total_items, self.total_cols, self.partial_per_row, self.k2]
+        return [self.num, self.k_tiles, self.total_items, self.total_cols, self.partial_per_row, self.k2,
+                self.max_slice]
 
     @classmethod
     def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int) -> Exl3Group:
-        num, k_tiles, total_items, total_cols, partial_per_row, k2 = meta
+        num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice = meta
         return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
-                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook))
+                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice)
+
+    def xs_slice(self, m: int) -> int:
+        """The x slice to stage in shared memory for m rows (0: global loads): where use_xs says so and the
+        slice fits XS_GROUP_SMEM_BYTES (the group's splits are fixed at load, unlike a single linear's)."""
+        fits = min(m, 16) * (self.max_slice * 32 + 16) <= XS_GROUP_SMEM_BYTES
+        return self.max_slice if use_xs(m, 4, self.codebook) and fits else 0
 
 
 def _check_source(what: str, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> None:
@@ -369,7 +412,8 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
     rows, item, col, base = group_table(sources)
     table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
-                     k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)))
+                     k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)),
+                     max_slice=max(-(-kt // src[4]) for src in sources))
 
 
 def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:
@@ -570,17 +614,17 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk:
 
 
 def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
-              total_cols: int, partial_elems: int, k2: int, codebook: int) -> torch.Tensor:
+              total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0) -> torch.Tensor:
     """fp16 [m, total_cols]: the three launches of a group over a table of `num` sources (x fp16 rows as the table's
     x_row fields address them). Sources with n_tiles = 0 are skipped; the items and columns counted for them may
-    be an upper bound."""
+    be an upper bound. xs_slice > 0: x staged in shared memory for K slices up to that many tiles."""
     _check_fp16("x", x, (x.shape[0], k_tiles * 16))
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=torch.float16, device=x.device)
     _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
                                             out.data_ptr(), m, k_tiles, total_items, total_cols, k2, codebook,
-                                            _stream(x)), "group linear")
+                                            xs_slice, _stream(x)), "group linear")
     return out
 
 
@@ -665,4 +709,4 @@ def group_linear(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
     if m > FUSED_MAX_M:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
     return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
-                     group.partial_per_row, group.k2, group.codebook)
+                     group.partial_per_row, group.k2, group.codebook, group.xs_slice(m))

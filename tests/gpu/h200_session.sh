@@ -19,7 +19,7 @@
 set -uo pipefail
 rm -rf /tmp/gpuout
 export PYTHONUNBUFFERED=1
-export SGLANG_EXL3_KERNEL_LIB=$PWD/.kbuild/libexl3_trellis.so
+export SGLANG_EXL3_KERNEL_LIB=${SGLANG_EXL3_KERNEL_LIB:-$PWD/.kbuild/libexl3_trellis.so}
 mkdir -p /tmp/site /tmp/exl3so
 
 site_env() {  # what .devbundle/*/stage.sh exports, for calls that no longer carry the bundle

@@ -91,6 +91,31 @@ def test_fused_gemm_matches_reference(cb, bits, m):
         assert _rel(y, ref) < 2e-3, f"splits={splits}: rel {_rel(y, ref):.2e}"
 
 
+@pytest.mark.parametrize("cb, bits", VARIANTS, ids=IDS)
+def test_gemm_with_x_in_shared_memory_is_bit_identical(cb, bits):
+    """x staged per block in shared memory (ldmatrix) gives the global-load kernel's partials bit for bit, for
+    every row count it takes (one and two 8-row groups, rows past m), uneven K slices and a split per tile."""
+    trellis, _, _, x = _case(1152, 256, bits, 16, seed=int(bits * 4) + 3 * int(cb))
+    t = ck.prepare(trellis.cuda())
+    for m in (1, 2, 7, 8, 9, 13, 16):
+        xh = x[:m].cuda()
+        for splits in (1, 5, 72):
+            want = ck.gemm_rotated_partial(xh, t, cb, splits=splits, xs=False)
+            got = ck.gemm_rotated_partial(xh, t, cb, splits=splits, xs=True)
+            assert got.shape == want.shape and torch.isfinite(got).all(), f"m={m} splits={splits}"
+            assert torch.equal(got, want), f"m={m} splits={splits}: max {float((got - want).abs().max()):.3e}"
+
+
+def test_gemm_x_in_shared_memory_limits():
+    t = ck.prepare(_trellis(8, 6, 4, seed=2).cuda())  # 6 column tiles: not a multiple of 4
+    with pytest.raises(ValueError, match="x in shared memory"):
+        ck.gemm_rotated_partial(torch.randn(4, 128, device="cuda").half(), t, Codebook.MCG, xs=True)
+    for m, kt in ((1, 896), (8, 256), (16, 320), (16, 896)):
+        splits = ck.xs_min_splits(m, kt)
+        assert min(m, 16) * (-(-kt // splits) * 32 + 16) <= ck.XS_SMEM_BYTES < min(m, 16) * (
+            -(-kt // max(1, splits - 1)) * 32 + 16) or splits == 1, (m, kt, splits)
+
+
 def test_fused_gemm_writes_every_element():
     trellis, suh, svh, x = _case(512, 256, 4, 11, seed=3)
     xh = ck.had_in(x.cuda(), suh.cuda())
@@ -177,6 +202,27 @@ def test_group_equals_its_sources_run_one_by_one(m):
     assert torch.equal(y.view(torch.int16), one_by_one.view(torch.int16))
     ref = torch.cat([exl3_linear_reference(x, t, s, v, cb) for t, s, v, _ in srcs], dim=1)
     assert _rel(y.cpu(), ref) < 2e-3
+
+
+@pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)])
+def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
+    """The group GEMM with x slices in shared memory (m = 8..16 by policy) writes what global loads write, bit for
+    bit, for sources of different widths and splits (so different slice lengths in one launch)."""
+    k, widths = 1024, (512, 128, 256)
+    srcs = [_case(k, n, bits, 16, seed=60 + i) for i, n in enumerate(widths)]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    group = ck.make_group(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs], cb,
+                          splits=[3, 1, 7])
+    assert group.max_slice == 64
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(bits)).half().cuda()
+    for m in (1, 8, 11, 16):
+        args = (x[:m], group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
+                group.partial_per_row, group.k2, group.codebook)
+        assert group.xs_slice(m) == (64 if ck.use_xs(m, 4, cb) else 0)
+        want = ck.group_run(*args, xs_slice=0)
+        got = ck.group_run(*args, xs_slice=group.max_slice)
+        assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), f"m={m}"
+        assert torch.equal(ck.group_linear(x[:m], group).view(torch.int16), want.view(torch.int16))
 
 
 def test_group_captures_in_a_cuda_graph():

@@ -237,10 +237,44 @@ __global__ void __launch_bounds__(kWarps * 32) reconstruct_kernel(const uint32_t
 // Weights in the kernel layout [N/16, K/16, words] (tiles of one column strip contiguous; see prepare()).
 
 // One warp's work item: column strip tn = item % n_tiles over K split item / n_tiles.
-template <int K2, int CB, int MT, int DEPTH>
+// B fragments of MT 8-row groups for one k16 tile from shared memory: ldmatrix .x2 (MT = 1) or .x4 (MT = 2);
+// `addr` is this lane's row/half address of the tile (see stage_x).
+template <int MT>
+__device__ __forceinline__ void ldsm_b(uint32_t addr, uint32_t (&b)[MT][2]) {
+  static_assert(MT == 1 || MT == 2, "x staged in shared memory serves one or two 8-row groups");
+  if constexpr (MT == 1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]) : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1]) : "r"(addr));
+  }
+}
+
+// x rows [0, min(m, 8 MT)) of the K-slice [kt0, kt1) into shared memory, row stride (kt1 - kt0) * 32 + 16 bytes (the
+// 16-byte skew keeps ldmatrix's 8 row reads on distinct banks); all threads of the block take part. Returns this
+// lane's ldmatrix address for the slice's first tile: row r = lane % 8 (+ 8 for lanes 16..31), k half = lane / 8 % 2;
+// rows past m read row 0, as the global-memory path does (their C columns are never stored).
+template <int MT>
+__device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, int K, int kt0, int kt1,
+                                            uint4* __restrict__ xs) {
+  const int rows = m < MT * 8 ? m : MT * 8;
+  const int row16 = (kt1 - kt0) * 2, stride16 = row16 + 1;  // in 16-byte units
+  for (int i = threadIdx.x; i < rows * row16; i += blockDim.x) {
+    const int r = i / row16, c = i - r * row16;
+    xs[r * stride16 + c] = __ldg(reinterpret_cast<const uint4*>(xh + (size_t)r * K + kt0 * 16) + c);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int r = (lane & 7) + (MT == 2 ? (lane >> 4) * 8 : 0);
+  const int row = r < m ? r : 0;
+  return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
+}
+
+template <int K2, int CB, int MT, int DEPTH, bool XS = false>
 __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
                                           float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
-                                          int item) {
+                                          int item, uint4* __restrict__ xs = nullptr) {
   constexpr int L = LaneBits<K2>::kLoad;
   const int lane = threadIdx.x & 31;
   const int tn = item % n_tiles, split = item / n_tiles;
@@ -268,8 +302,10 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
 
   // For m <= 16 the activation fragments of a group are loaded with its trellis words (they are L2 hits, but
-  // loading them next to the mma stalled every tile on their latency); larger m loads them per tile.
-  constexpr bool kPrefetchX = MT <= 2;
+  // loading them next to the mma stalled every tile on their latency); larger m loads them per tile. With XS the
+  // block's x slice sits in shared memory and each tile's fragments are one ldmatrix, issued a group at a time.
+  constexpr bool kPrefetchX = MT <= 2 && !XS;
+  uint32_t xs_addr = 0;
   constexpr int XB = kPrefetchX ? MT : 1;
   auto load_tiles = [&](auto& buf, auto& xb, int count) {  // the next `count` tiles
 #pragma unroll
@@ -292,6 +328,21 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
     }
   };
   auto compute_tiles = [&](const auto& buf, const auto& xb, int count) {
+    if constexpr (XS) {
+      constexpr int N = sizeof(buf) / sizeof(buf[0]);
+      uint32_t bs[N][MT][2];
+#pragma unroll
+      for (int d = 0; d < count; ++d) ldsm_b<MT>(xs_addr + d * 32, bs[d]);
+      xs_addr += count * 32;
+#pragma unroll
+      for (int d = 0; d < count; ++d) {
+        uint32_t frag[4];
+        bits.template decode<CB>(buf[d], frag);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma_16816(acc[mt], frag, bs[d][mt][0], bs[d][mt][1]);
+      }
+      return;
+    }
 #pragma unroll
     for (int d = 0; d < count; ++d) {
       uint32_t b0[MT], b1[MT];
@@ -322,6 +373,7 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   uint32_t buf_a[DEPTH][L], buf_b[DEPTH][L];
   uint32_t xb_a[DEPTH][XB][2], xb_b[DEPTH][XB][2];
   if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
+  if constexpr (XS) xs_addr = stage_x<MT>(xh, m, K, kt0, kt1, xs);  // while the first group's words are in flight
   for (int grp = 0; grp < groups; grp += 2) {
     if (grp + 1 < groups) load_tiles(buf_b, xb_b, DEPTH);
     compute_tiles(buf_a, xb_a, DEPTH);
@@ -358,6 +410,18 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_kernel(const half* __restric
                                                            int n_tiles, int splits) {
   const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (item < n_tiles * splits) gemm_warp<K2, CB, MT, DEPTH>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item);
+}
+
+// The same with the block's x slice staged in shared memory (m <= 16; the host guarantees n_tiles % kWarps == 0, so
+// the block's warps share one K split and all of them reach stage_x's barrier).
+template <int K2, int CB, int MT, int DEPTH>
+__global__ void __launch_bounds__(kWarps * 32) gemm_xs_kernel(const half* __restrict__ xh,
+                                                              const uint32_t* __restrict__ trellis,
+                                                              float* __restrict__ partial, int m, int k_tiles,
+                                                              int n_tiles, int splits) {
+  extern __shared__ uint4 xs[];
+  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  gemm_warp<K2, CB, MT, DEPTH, true>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item, xs);
 }
 
 // ---- groups of sources: one launch per stage for all of them -----------------------------------------
@@ -408,6 +472,25 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
   if (local >= src.n_tiles * src.splits) return;  // past the last filled source of a sorted table
   gemm_warp<K2, CB, MT, DEPTH>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
                                k_tiles, src.n_tiles, src.splits, local);
+}
+
+// The same with each block's x slice in shared memory (m <= 16). Every source's items are a multiple of kWarps
+// (N % 128 == 0), so a block's warps share one source and one K split, and are all valid or all idle: the whole
+// block returns together or reaches stage_x's barrier together.
+template <int K2, int CB, int MT, int DEPTH>
+__global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* __restrict__ xh_all,
+                                                                    const GroupSource* __restrict__ srcs, int num,
+                                                                    float* __restrict__ partial, int m, int k_tiles,
+                                                                    int total_items) {
+  extern __shared__ uint4 xs[];
+  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (item >= total_items) return;
+  const int s = group_source_of_item(srcs, num, item);
+  const GroupSource& src = srcs[s];
+  const int local = item - (int)src.item_begin;
+  if (local >= src.n_tiles * src.splits) return;
+  gemm_warp<K2, CB, MT, DEPTH, true>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m,
+                                     m, k_tiles, src.n_tiles, src.splits, local, xs);
 }
 
 // Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
@@ -744,6 +827,59 @@ int launch_variant_gemm(const half* xh, const uint32_t* trellis, float* partial,
   });
 }
 
+// Shared memory of gemm_xs_kernel: min(m, 16) rows of the longest K slice, plus the 16-byte skew per row.
+inline int xs_smem_bytes(int m, int kt, int splits) {
+  const int slice = (kt + splits - 1) / splits;
+  return (m < 16 ? m : 16) * (slice * 32 + 16);
+}
+constexpr int kMaxXsSmem = 96 << 10;
+
+// More than the default 48 KB of dynamic shared memory needs a per-kernel opt-in, once. The production policy stays
+// within 48 KB (cuda_trellis.XS_SMEM_BYTES / XS_GROUP_SMEM_BYTES), so launches captured in CUDA graphs never make
+// this call; only larger slices asked for explicitly (tests, benchmarks) do, before any capture.
+template <auto Kernel>
+void opt_in_smem(int smem) {
+  static bool opted_in = false;  // one flag per kernel instantiation
+  if (smem > (48 << 10) && !opted_in) {
+    cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+    opted_in = true;
+  }
+}
+
+template <int K2, int CB>
+int launch_variant_gemm_xs(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt,
+                           int splits, cudaStream_t stream) {
+  if (m > 16 || nt % kWarps) return -3;
+  const int smem = xs_smem_bytes(m, kt, splits);
+  if (smem > kMaxXsSmem) return -3;
+  const dim3 grid(nt * splits / kWarps), block(kWarps * 32);
+  auto launch = [&](auto mt) {
+    constexpr auto kernel = gemm_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
+    opt_in_smem<kernel>(smem);
+    kernel<<<grid, block, smem, stream>>>(xh, trellis, partial, m, kt, nt, splits);
+  };
+  if (m <= 8) launch(std::integral_constant<int, 1>{});
+  else launch(std::integral_constant<int, 2>{});
+  return (int)cudaGetLastError();
+}
+
+// x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
+template <int K2, int CB>
+int launch_variant_gemm_group_xs(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
+                                 int total_items, int xs_slice, cudaStream_t stream) {
+  const int smem = (m < 16 ? m : 16) * (xs_slice * 32 + 16);
+  if (m > 16 || total_items % kWarps || smem > kMaxXsSmem) return -3;
+  const dim3 grid(total_items / kWarps), block(kWarps * 32);
+  auto launch = [&](auto mt) {
+    constexpr auto kernel = gemm_group_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
+    opt_in_smem<kernel>(smem);
+    kernel<<<grid, block, smem, stream>>>(xh_all, srcs, num, partial, m, kt, total_items);
+  };
+  if (m <= 8) launch(std::integral_constant<int, 1>{});
+  else launch(std::integral_constant<int, 2>{});
+  return (int)cudaGetLastError();
+}
+
 template <int K2, int CB>
 int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
                               int total_items, cudaStream_t stream) {
@@ -804,6 +940,18 @@ int exl3_gemm_partial(const void* xh, const void* trellis, void* partial, int m,
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm, (x, t, p, m, k_tiles, n_tiles, splits, s))
 }
 
+// exl3_gemm_partial with x staged in shared memory per block (m <= 16, n_tiles % 4 == 0, at most 96 KB of x slice
+// per block: see xs_smem_bytes); the same partials, bit for bit.
+int exl3_gemm_partial_xs(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
+                         int splits, int k2, int codebook, void* stream) {
+  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles) return -3;
+  auto s = (cudaStream_t)stream;
+  auto x = (const half*)xh;
+  auto t = (const uint32_t*)trellis;
+  auto p = (float*)partial;
+  EXL3_DISPATCH(k2, codebook, launch_variant_gemm_xs, (x, t, p, m, k_tiles, n_tiles, splits, s))
+}
+
 int exl3_had_in(const void* x, const void* suh, void* out, int rows, int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128) return -3;
   const int items = rows * (cols / 128);
@@ -828,8 +976,11 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 
 // y[m, total_cols] for a same-input group of sources sharing bits and codebook (table: GroupSource[num] in device
 // memory). Scratch: xh_all fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
+// xs_slice > 0 (m <= 16): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
+// longest slice of any source); the partials are the same bit for bit.
 int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, void* partial, void* out, int m,
-                      int k_tiles, int total_items, int total_cols, int k2, int codebook, void* stream) {
+                      int k_tiles, int total_items, int total_cols, int k2, int codebook, int xs_slice,
+                      void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
@@ -838,6 +989,9 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int code = [&]() -> int {
+    if (xs_slice > 0)
+      EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_xs, (xh, srcs, num, p, m, k_tiles, total_items, xs_slice,
+                                                                 s))
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
   if (code != 0) return code;
@@ -972,7 +1126,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 8; }
+int exl3_abi_version(void) { return 9; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
