@@ -71,7 +71,7 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_reconstruct(None, None, 4, 4, 0, 4, 64, 9, 1, None) == -1  # 4.5 bits in MCG: unsupported
     assert b"unsupported" in lib.exl3_error_string(-1)
     lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
-    assert lib.exl3_gemm_partial_xs(None, None, None, 17, 16, 4, 1, 8, 1, None) == -3  # x in smem: m <= 16
+    assert lib.exl3_gemm_partial_xs(None, None, None, 65, 16, 4, 1, 8, 1, None) == -3  # x in smem: m <= 64
     assert lib.exl3_gemm_partial_xs(None, None, None, 4, 16, 6, 1, 8, 1, None) == -3  # N tiles not a multiple of 4
     assert lib.exl3_gemm_partial_xs(None, None, None, 16, 256, 4, 1, 8, 1, None) == -3  # 131 KB x slice > 96 KB
 

@@ -31,16 +31,20 @@ SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
 ABI_VERSION = 9
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
-# median over shapes x bits x codebooks, 0.59 at m = 16, 0.95 at 32, 1.68 at 64.
-FUSED_CROSSOVER_M = 32
+# median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
+# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch.
+FUSED_CROSSOVER_M = 64
 RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
 # Rows for which the small-m GEMM stages x in shared memory (one ldmatrix per tile, 48-56 registers instead of 64-96):
 # 1.04-1.32x at m = 8 and 1.3-1.8x at m = 16; at m = 1-4 within +-3% for MCG, mostly 1.01-1.05x for MUL1
 # (benchmarks/results/xs-ab-h200.md, xs-splits-h200.md). So MCG / 3INST from 8 rows, MUL1 from 1.
-XS_MIN_M, XS_MAX_M = 8, 16
+# m = 17-64 (4 or 8 row groups: 64-68 / 96 registers instead of 96-108 / 128-184): 1.7-2.0x at 32, 1.3-2.0x at 64.
+XS_MIN_M, XS_MAX_M = 8, 64
 XS_MIN_M_MUL1 = 1
-XS_SMEM_BYTES = 24 << 10  # x slice per block: splits grow until it fits (8 blocks of 4 warps per SM stay resident)
-XS_GROUP_SMEM_BYTES = 48 << 10  # a group's splits are fixed at load: above this slice, global loads
+XS_SMEM_BYTES = 24 << 10  # x slice per block up to 32 rows: splits grow until it fits (8 blocks per SM resident)
+XS_SMEM_BYTES_64 = 48 << 10  # 33-64 rows: 48 KB (1.2-1.3x faster than 24 KB there; 96 KB is slower again)
+XS_GROUP_SMEM_BYTES = 96 << 10  # a group's splits are fixed at load: above this slice (the kernel's limit), global
+# loads; a longer slice costs occupancy but beats global loads (4096x14336, m = 32, 96 KB: 1.6x)
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -265,11 +269,20 @@ def default_splits(k_tiles: int, n_tiles: int, device: torch.device, warps_per_s
     return max(1, min(splits, k_tiles // min_tiles_per_warp))
 
 
-def xs_min_splits(m: int, k_tiles: int, smem_bytes: int = XS_SMEM_BYTES) -> int:
-    """Fewest K splits whose x slice (min(m, 16) rows, 32 bytes per tile + a 16-byte skew) fits `smem_bytes` of
-    shared memory per block."""
-    rows = min(m, 16)
-    slice_tiles = max(1, (smem_bytes // rows - 16) // 32)
+def xs_rows(m: int) -> int:
+    """Rows of x a block stages: m up to 16, else whole 16-row groups of the kernel's row groups (32 or 64)."""
+    return m if m <= 16 else (32 if m <= 32 else 64)
+
+
+def xs_smem(m: int, slice_tiles: int) -> int:
+    """Shared memory of one block's x slice: 32 bytes per tile and row, plus a 16-byte skew per row."""
+    return xs_rows(m) * (slice_tiles * 32 + 16)
+
+
+def xs_min_splits(m: int, k_tiles: int, smem_bytes: int | None = None) -> int:
+    """Fewest K splits whose x slice fits `smem_bytes` of shared memory per block (default: the policy's budget)."""
+    smem_bytes = smem_bytes or (XS_SMEM_BYTES if m <= 32 else XS_SMEM_BYTES_64)
+    slice_tiles = max(1, (smem_bytes // xs_rows(m) - 16) // 32)
     return -(-k_tiles // slice_tiles)
 
 
@@ -282,7 +295,7 @@ def use_xs(m: int, n_tiles: int, codebook: Codebook | int | None = None) -> bool
 def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
                          splits: int | None = None, xs: bool | None = None) -> torch.Tensor:
     """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64.
-    `xs`: stage x in shared memory (m <= 16; None: `use_xs`); the partials are the same bit for bit."""
+    `xs`: stage x in shared memory (None: `use_xs`); the partials are the same bit for bit."""
     _check_tiles(tiles)
     nt, kt, _ = tiles.shape
     m = xh.shape[0]
@@ -290,11 +303,10 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
         raise ValueError(f"xh must be contiguous fp16 [m, {kt * 16}], got {xh.dtype} {tuple(xh.shape)}")
     if m > FUSED_MAX_M:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
-    if xs and (m > 16 or nt % 4):
-        raise ValueError(f"x in shared memory takes m <= 16 and N % 64 == 0, got m={m}, N={nt * 16}")
+    if xs and nt % 4:
+        raise ValueError(f"x in shared memory takes N % 64 == 0, got N={nt * 16}")
     if xs is None:  # the policy; a caller's own splits keep global loads where their slice is too long
-        xs = use_xs(m, nt, codebook) and (not splits or min(m, 16) * (-(-kt // splits) * 32 + 16)
-                                           <= XS_GROUP_SMEM_BYTES)
+        xs = use_xs(m, nt, codebook) and (not splits or xs_smem(m, -(-kt // splits)) <= XS_GROUP_SMEM_BYTES)
     if not splits:
         splits = default_splits(kt, nt, xh.device)
         if xs:
@@ -379,7 +391,7 @@ class Exl3Group:
     def xs_slice(self, m: int) -> int:
         """The x slice to stage in shared memory for m rows (0: global loads): where use_xs says so and the
         slice fits XS_GROUP_SMEM_BYTES (the group's splits are fixed at load, unlike a single linear's)."""
-        fits = min(m, 16) * (self.max_slice * 32 + 16) <= XS_GROUP_SMEM_BYTES
+        fits = xs_smem(m, self.max_slice) <= XS_GROUP_SMEM_BYTES
         return self.max_slice if use_xs(m, 4, self.codebook) and fits else 0
 
 

@@ -95,11 +95,11 @@ def test_fused_gemm_matches_reference(cb, bits, m):
 def test_gemm_with_x_in_shared_memory_is_bit_identical(cb, bits):
     """x staged per block in shared memory (ldmatrix) gives the global-load kernel's partials bit for bit, for
     every row count it takes (one and two 8-row groups, rows past m), uneven K slices and a split per tile."""
-    trellis, _, _, x = _case(1152, 256, bits, 16, seed=int(bits * 4) + 3 * int(cb))
+    trellis, _, _, x = _case(1152, 256, bits, 64, seed=int(bits * 4) + 3 * int(cb))
     t = ck.prepare(trellis.cuda())
-    for m in (1, 2, 7, 8, 9, 13, 16):
+    for m in (1, 2, 7, 8, 9, 13, 16, 17, 27, 32, 40, 64):
         xh = x[:m].cuda()
-        for splits in (1, 5, 72):
+        for splits in ((1, 5, 72) if m <= 32 else (3, 72)):  # 64 rows of one 72-tile slice exceed 96 KB
             want = ck.gemm_rotated_partial(xh, t, cb, splits=splits, xs=False)
             got = ck.gemm_rotated_partial(xh, t, cb, splits=splits, xs=True)
             assert got.shape == want.shape and torch.isfinite(got).all(), f"m={m} splits={splits}"
@@ -110,10 +110,10 @@ def test_gemm_x_in_shared_memory_limits():
     t = ck.prepare(_trellis(8, 6, 4, seed=2).cuda())  # 6 column tiles: not a multiple of 4
     with pytest.raises(ValueError, match="x in shared memory"):
         ck.gemm_rotated_partial(torch.randn(4, 128, device="cuda").half(), t, Codebook.MCG, xs=True)
-    for m, kt in ((1, 896), (8, 256), (16, 320), (16, 896)):
+    for m, kt in ((1, 896), (8, 256), (16, 320), (16, 896), (20, 256), (64, 320)):
         splits = ck.xs_min_splits(m, kt)
-        assert min(m, 16) * (-(-kt // splits) * 32 + 16) <= ck.XS_SMEM_BYTES < min(m, 16) * (
-            -(-kt // max(1, splits - 1)) * 32 + 16) or splits == 1, (m, kt, splits)
+        assert ck.xs_smem(m, -(-kt // splits)) <= ck.XS_SMEM_BYTES < ck.xs_smem(m, -(-kt // max(1, splits - 1))) \
+            or splits == 1, (m, kt, splits)
 
 
 def test_fused_gemm_writes_every_element():
@@ -214,8 +214,8 @@ def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
     group = ck.make_group(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs], cb,
                           splits=[3, 1, 7])
     assert group.max_slice == 64
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(bits)).half().cuda()
-    for m in (1, 8, 11, 16):
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(bits)).half().cuda()
+    for m in (1, 8, 11, 16, 20, 32):
         args = (x[:m], group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
                 group.partial_per_row, group.k2, group.codebook)
         assert group.xs_slice(m) == (64 if ck.use_xs(m, 4, cb) else 0)

@@ -237,37 +237,44 @@ __global__ void __launch_bounds__(kWarps * 32) reconstruct_kernel(const uint32_t
 // Weights in the kernel layout [N/16, K/16, words] (tiles of one column strip contiguous; see prepare()).
 
 // One warp's work item: column strip tn = item % n_tiles over K split item / n_tiles.
-// B fragments of MT 8-row groups for one k16 tile from shared memory: ldmatrix .x2 (MT = 1) or .x4 (MT = 2);
-// `addr` is this lane's row/half address of the tile (see stage_x).
+// B fragments of MT 8-row groups for one k16 tile from shared memory: ldmatrix .x2 (MT = 1) or one .x4 per 16
+// rows; `addr` is this lane's address of the tile in rows 0-15 (see stage_x), `rows16` the bytes of 16 rows.
 template <int MT>
-__device__ __forceinline__ void ldsm_b(uint32_t addr, uint32_t (&b)[MT][2]) {
-  static_assert(MT == 1 || MT == 2, "x staged in shared memory serves one or two 8-row groups");
+__device__ __forceinline__ void ldsm_b(uint32_t addr, uint32_t rows16, uint32_t (&b)[MT][2]) {
   if constexpr (MT == 1) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(b[0][0]), "=r"(b[0][1]) : "r"(addr));
   } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1]) : "r"(addr));
+#pragma unroll
+    for (int g = 0; g < MT / 2; ++g)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(b[2 * g][0]), "=r"(b[2 * g][1]), "=r"(b[2 * g + 1][0]), "=r"(b[2 * g + 1][1])
+                   : "r"(addr + g * rows16));
   }
 }
 
-// x rows [0, min(m, 8 MT)) of the K-slice [kt0, kt1) into shared memory, row stride (kt1 - kt0) * 32 + 16 bytes (the
+// Rows of x staged per block: up to 16 rows, the m rows themselves (ldmatrix rows past m re-read row 0); above 16,
+// whole 16-row groups with the rows past m zero (so one address per lane serves every group).
+__host__ __device__ constexpr int xs_rows(int m, int mt) { return mt <= 2 ? (m < mt * 8 ? m : mt * 8) : mt * 8; }
+
+// x rows [0, xs_rows) of the K-slice [kt0, kt1) into shared memory, row stride (kt1 - kt0) * 32 + 16 bytes (the
 // 16-byte skew keeps ldmatrix's 8 row reads on distinct banks); all threads of the block take part. Returns this
 // lane's ldmatrix address for the slice's first tile: row r = lane % 8 (+ 8 for lanes 16..31), k half = lane / 8 % 2;
-// rows past m read row 0, as the global-memory path does (their C columns are never stored).
+// up to 16 rows, rows past m read row 0, as the global-memory path does (their C columns are never stored).
 template <int MT>
 __device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, int K, int kt0, int kt1,
                                             uint4* __restrict__ xs) {
-  const int rows = m < MT * 8 ? m : MT * 8;
+  const int rows = xs_rows(m, MT);
   const int row16 = (kt1 - kt0) * 2, stride16 = row16 + 1;  // in 16-byte units
   for (int i = threadIdx.x; i < rows * row16; i += blockDim.x) {
     const int r = i / row16, c = i - r * row16;
-    xs[r * stride16 + c] = __ldg(reinterpret_cast<const uint4*>(xh + (size_t)r * K + kt0 * 16) + c);
+    xs[r * stride16 + c] = r < m ? __ldg(reinterpret_cast<const uint4*>(xh + (size_t)r * K + kt0 * 16) + c)
+                                 : make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  const int r = (lane & 7) + (MT == 2 ? (lane >> 4) * 8 : 0);
-  const int row = r < m ? r : 0;
+  const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
+  const int row = MT > 2 || r < m ? r : 0;
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
 }
 
@@ -331,8 +338,9 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
     if constexpr (XS) {
       constexpr int N = sizeof(buf) / sizeof(buf[0]);
       uint32_t bs[N][MT][2];
+      const uint32_t rows16 = 16 * ((kt1 - kt0) * 32 + 16);
 #pragma unroll
-      for (int d = 0; d < count; ++d) ldsm_b<MT>(xs_addr + d * 32, bs[d]);
+      for (int d = 0; d < count; ++d) ldsm_b<MT>(xs_addr + d * 32, rows16, bs[d]);
       xs_addr += count * 32;
 #pragma unroll
       for (int d = 0; d < count; ++d) {
@@ -412,7 +420,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_kernel(const half* __restric
   if (item < n_tiles * splits) gemm_warp<K2, CB, MT, DEPTH>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item);
 }
 
-// The same with the block's x slice staged in shared memory (m <= 16; the host guarantees n_tiles % kWarps == 0, so
+// The same with the block's x slice staged in shared memory (m <= 64; the host guarantees n_tiles % kWarps == 0, so
 // the block's warps share one K split and all of them reach stage_x's barrier).
 template <int K2, int CB, int MT, int DEPTH>
 __global__ void __launch_bounds__(kWarps * 32) gemm_xs_kernel(const half* __restrict__ xh,
@@ -474,7 +482,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __r
                                k_tiles, src.n_tiles, src.splits, local);
 }
 
-// The same with each block's x slice in shared memory (m <= 16). Every source's items are a multiple of kWarps
+// The same with each block's x slice in shared memory (m <= 64). Every source's items are a multiple of kWarps
 // (N % 128 == 0), so a block's warps share one source and one K split, and are all valid or all idle: the whole
 // block returns together or reaches stage_x's barrier together.
 template <int K2, int CB, int MT, int DEPTH>
@@ -830,13 +838,13 @@ int launch_variant_gemm(const half* xh, const uint32_t* trellis, float* partial,
 // Shared memory of gemm_xs_kernel: min(m, 16) rows of the longest K slice, plus the 16-byte skew per row.
 inline int xs_smem_bytes(int m, int kt, int splits) {
   const int slice = (kt + splits - 1) / splits;
-  return (m < 16 ? m : 16) * (slice * 32 + 16);
+  const int mt = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
+  return xs_rows(m, mt) * (slice * 32 + 16);
 }
 constexpr int kMaxXsSmem = 96 << 10;
 
-// More than the default 48 KB of dynamic shared memory needs a per-kernel opt-in, once. The production policy stays
-// within 48 KB (cuda_trellis.XS_SMEM_BYTES / XS_GROUP_SMEM_BYTES), so launches captured in CUDA graphs never make
-// this call; only larger slices asked for explicitly (tests, benchmarks) do, before any capture.
+// More than the default 48 KB of dynamic shared memory needs a per-kernel opt-in, once. cudaFuncSetAttribute is not
+// a stream operation, so it may happen during CUDA-graph capture (FlashAttention sets it on every launch).
 template <auto Kernel>
 void opt_in_smem(int smem) {
   static bool opted_in = false;  // one flag per kernel instantiation
@@ -849,35 +857,29 @@ void opt_in_smem(int smem) {
 template <int K2, int CB>
 int launch_variant_gemm_xs(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt,
                            int splits, cudaStream_t stream) {
-  if (m > 16 || nt % kWarps) return -3;
+  if (m > 64 || nt % kWarps) return -3;
   const int smem = xs_smem_bytes(m, kt, splits);
   if (smem > kMaxXsSmem) return -3;
   const dim3 grid(nt * splits / kWarps), block(kWarps * 32);
-  auto launch = [&](auto mt) {
+  return with_row_groups(m, [&](auto mt) {
     constexpr auto kernel = gemm_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
     opt_in_smem<kernel>(smem);
     kernel<<<grid, block, smem, stream>>>(xh, trellis, partial, m, kt, nt, splits);
-  };
-  if (m <= 8) launch(std::integral_constant<int, 1>{});
-  else launch(std::integral_constant<int, 2>{});
-  return (int)cudaGetLastError();
+  });
 }
 
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
 template <int K2, int CB>
 int launch_variant_gemm_group_xs(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
                                  int total_items, int xs_slice, cudaStream_t stream) {
-  const int smem = (m < 16 ? m : 16) * (xs_slice * 32 + 16);
-  if (m > 16 || total_items % kWarps || smem > kMaxXsSmem) return -3;
+  const int smem = xs_smem_bytes(m, xs_slice, 1);
+  if (m > 64 || total_items % kWarps || smem > kMaxXsSmem) return -3;
   const dim3 grid(total_items / kWarps), block(kWarps * 32);
-  auto launch = [&](auto mt) {
+  return with_row_groups(m, [&](auto mt) {
     constexpr auto kernel = gemm_group_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
     opt_in_smem<kernel>(smem);
     kernel<<<grid, block, smem, stream>>>(xh_all, srcs, num, partial, m, kt, total_items);
-  };
-  if (m <= 8) launch(std::integral_constant<int, 1>{});
-  else launch(std::integral_constant<int, 2>{});
-  return (int)cudaGetLastError();
+  });
 }
 
 template <int K2, int CB>
@@ -940,7 +942,7 @@ int exl3_gemm_partial(const void* xh, const void* trellis, void* partial, int m,
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm, (x, t, p, m, k_tiles, n_tiles, splits, s))
 }
 
-// exl3_gemm_partial with x staged in shared memory per block (m <= 16, n_tiles % 4 == 0, at most 96 KB of x slice
+// exl3_gemm_partial with x staged in shared memory per block (m <= 64, n_tiles % 4 == 0, at most 96 KB of x slice
 // per block: see xs_smem_bytes); the same partials, bit for bit.
 int exl3_gemm_partial_xs(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
                          int splits, int k2, int codebook, void* stream) {
@@ -976,7 +978,7 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 
 // y[m, total_cols] for a same-input group of sources sharing bits and codebook (table: GroupSource[num] in device
 // memory). Scratch: xh_all fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
-// xs_slice > 0 (m <= 16): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
+// xs_slice > 0 (m <= 64): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
 // longest slice of any source); the partials are the same bit for bit.
 int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, void* partial, void* out, int m,
                       int k_tiles, int total_items, int total_cols, int k2, int codebook, int xs_slice,
