@@ -33,15 +33,19 @@ COLUMNS = ["k", "n", "m", "bits", "codebook", "reconstruct_us", "triton_us", "tr
 COPIES = 3
 
 
-def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
+def _case(k: int, n: int, m: int, bits: int, cb: Codebook):
+    """COPIES random trellis copies (more than L2 between them), rotations, x, and the bf16 operands."""
     gen = torch.Generator().manual_seed(k + n + m + bits)
     tiles = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), generator=gen,
                                       dtype=torch.int16).cuda()) for _ in range(COPIES)]
     suh = (torch.randn(k, generator=gen) * 0.1).half().cuda()
     svh = (torch.randn(n, generator=gen) * 0.1).half().cuda()
     x = torch.randn(m, k, generator=gen).half().cuda()
-    w_bf16 = [ck.reconstruct(t, cb).bfloat16() for t in tiles]
-    xb = x.bfloat16()
+    return tiles, suh, svh, x, [ck.reconstruct(t, cb).bfloat16() for t in tiles], x.bfloat16()
+
+
+def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
+    tiles, suh, svh, x, w_bf16, xb = _case(k, n, m, bits, cb)
 
     def triton_linear(i: int, cfg) -> torch.Tensor:
         bm, bn, bk, warps, stages = cfg
@@ -83,14 +87,7 @@ def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
 def bench_slices(k: int, n: int, m: int, bits: int, cb: Codebook, slices_mb: list[int]) -> dict:
     """The reconstruct path with W_hat reconstructed in column slices of each size: a slice small enough to stay
     in L2 between the reconstruct that writes it and the cuBLAS GEMM that reads it skips its HBM round trip."""
-    gen = torch.Generator().manual_seed(k + n + m + bits)
-    tiles = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), generator=gen,
-                                      dtype=torch.int16).cuda()) for _ in range(COPIES)]
-    suh = (torch.randn(k, generator=gen) * 0.1).half().cuda()
-    svh = (torch.randn(n, generator=gen) * 0.1).half().cuda()
-    x = torch.randn(m, k, generator=gen).half().cuda()
-    w_bf16 = [ck.reconstruct(t, cb).bfloat16() for t in tiles]
-    xb = x.bfloat16()
+    tiles, suh, svh, x, w_bf16, xb = _case(k, n, m, bits, cb)
     row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label,
            "bf16_us": graph_us(lambda i: xb @ w_bf16[i % COPIES], COPIES)}
     default = ck.RECONSTRUCT_SLICE_BYTES

@@ -28,13 +28,19 @@ from sglang_exl3.kernels import cuda_trellis as ck  # noqa: E402
 ROTATE_BYTES = 150 << 20
 
 
-def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], budgets: list[int]) -> list[dict]:
+def _weights(k: int, n: int, bits: int):
+    """Random trellis copies (more than L2 between them) and rotations, and the generator for the inputs."""
     copies = max(2, min(48, math.ceil(ROTATE_BYTES / (k * n * bits // 8))))
     gen = torch.Generator().manual_seed(k + n + bits)
     tiles = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), generator=gen,
                                       dtype=torch.int16).cuda()) for _ in range(copies)]
     suh = (torch.randn(k, generator=gen) * 0.1).half().cuda()
     svh = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+    return copies, tiles, suh, svh, gen
+
+
+def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], budgets: list[int]) -> list[dict]:
+    copies, tiles, suh, svh, gen = _weights(k, n, bits)
     kt, nt = k // 16, n // 16
     rows = []
     for m in ms:
@@ -64,12 +70,7 @@ def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], b
 
 def sweep_splits(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], splits: list[int]) -> list[dict]:
     """Long-form rows: the whole linear at each explicit split count, global loads and x in shared memory."""
-    copies = max(2, min(48, math.ceil(ROTATE_BYTES / (k * n * bits // 8))))
-    gen = torch.Generator().manual_seed(k + n + bits)
-    tiles = [ck.prepare(torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), generator=gen,
-                                      dtype=torch.int16).cuda()) for _ in range(copies)]
-    suh = (torch.randn(k, generator=gen) * 0.1).half().cuda()
-    svh = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+    copies, tiles, suh, svh, gen = _weights(k, n, bits)
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen).half().cuda()

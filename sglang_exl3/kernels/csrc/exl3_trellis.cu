@@ -843,43 +843,36 @@ inline int xs_smem_bytes(int m, int kt, int splits) {
 }
 constexpr int kMaxXsSmem = 96 << 10;
 
-// More than the default 48 KB of dynamic shared memory needs a per-kernel opt-in, once. cudaFuncSetAttribute is not
-// a stream operation, so it may happen during CUDA-graph capture (FlashAttention sets it on every launch).
-template <auto Kernel>
-void opt_in_smem(int smem) {
-  static bool opted_in = false;  // one flag per kernel instantiation
-  if (smem > (48 << 10) && !opted_in) {
-    cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
-    opted_in = true;
-  }
+// Launches kernel_of(row groups) with `smem` bytes of dynamic shared memory. More than the default 48 KB needs the
+// kernel's opt-in, set here on every such launch (cudaFuncSetAttribute is not a stream operation, so CUDA-graph
+// capture allows it; FlashAttention does the same).
+template <typename KernelOf, typename... Args>
+int launch_with_smem(int m, int smem, dim3 grid, cudaStream_t stream, KernelOf kernel_of, Args... args) {
+  if (smem > kMaxXsSmem) return -3;
+  return with_row_groups(m, [&](auto mt) {
+    auto kernel = kernel_of(mt);
+    if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+    kernel<<<grid, kWarps * 32, smem, stream>>>(args...);
+  });
 }
 
 template <int K2, int CB>
 int launch_variant_gemm_xs(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt,
                            int splits, cudaStream_t stream) {
   if (m > 64 || nt % kWarps) return -3;
-  const int smem = xs_smem_bytes(m, kt, splits);
-  if (smem > kMaxXsSmem) return -3;
-  const dim3 grid(nt * splits / kWarps), block(kWarps * 32);
-  return with_row_groups(m, [&](auto mt) {
-    constexpr auto kernel = gemm_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
-    opt_in_smem<kernel>(smem);
-    kernel<<<grid, block, smem, stream>>>(xh, trellis, partial, m, kt, nt, splits);
-  });
+  auto kernel_of = [](auto mt) { return gemm_xs_kernel<K2, CB, decltype(mt)::value, kDepth>; };
+  return launch_with_smem(m, xs_smem_bytes(m, kt, splits), dim3(nt * splits / kWarps), stream, kernel_of, xh, trellis,
+                          partial, m, kt, nt, splits);
 }
 
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
 template <int K2, int CB>
 int launch_variant_gemm_group_xs(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
                                  int total_items, int xs_slice, cudaStream_t stream) {
-  const int smem = xs_smem_bytes(m, xs_slice, 1);
-  if (m > 64 || total_items % kWarps || smem > kMaxXsSmem) return -3;
-  const dim3 grid(total_items / kWarps), block(kWarps * 32);
-  return with_row_groups(m, [&](auto mt) {
-    constexpr auto kernel = gemm_group_xs_kernel<K2, CB, decltype(mt)::value, kDepth>;
-    opt_in_smem<kernel>(smem);
-    kernel<<<grid, block, smem, stream>>>(xh_all, srcs, num, partial, m, kt, total_items);
-  });
+  if (m > 64 || total_items % kWarps) return -3;
+  auto kernel_of = [](auto mt) { return gemm_group_xs_kernel<K2, CB, decltype(mt)::value, kDepth>; };
+  return launch_with_smem(m, xs_smem_bytes(m, xs_slice, 1), dim3(total_items / kWarps), stream, kernel_of, xh_all,
+                          srcs, num, partial, m, kt, total_items);
 }
 
 template <int K2, int CB>
@@ -932,26 +925,27 @@ int exl3_reconstruct(const void* trellis, void* out, int k_tiles, int n_tiles, i
   EXL3_DISPATCH(k2, codebook, launch_variant_reconstruct, (t, o, k_tiles, n_tiles, tn0, tn_count, ld, s))
 }
 
-int exl3_gemm_partial(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
-                      int splits, int k2, int codebook, void* stream) {
+static int gemm_partial(bool xs, const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
+                        int splits, int k2, int codebook, void* stream) {
   if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles) return -3;
   auto s = (cudaStream_t)stream;
   auto x = (const half*)xh;
   auto t = (const uint32_t*)trellis;
   auto p = (float*)partial;
+  if (xs) EXL3_DISPATCH(k2, codebook, launch_variant_gemm_xs, (x, t, p, m, k_tiles, n_tiles, splits, s))
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm, (x, t, p, m, k_tiles, n_tiles, splits, s))
+}
+
+int exl3_gemm_partial(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
+                      int splits, int k2, int codebook, void* stream) {
+  return gemm_partial(false, xh, trellis, partial, m, k_tiles, n_tiles, splits, k2, codebook, stream);
 }
 
 // exl3_gemm_partial with x staged in shared memory per block (m <= 64, n_tiles % 4 == 0, at most 96 KB of x slice
 // per block: see xs_smem_bytes); the same partials, bit for bit.
 int exl3_gemm_partial_xs(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
                          int splits, int k2, int codebook, void* stream) {
-  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles) return -3;
-  auto s = (cudaStream_t)stream;
-  auto x = (const half*)xh;
-  auto t = (const uint32_t*)trellis;
-  auto p = (float*)partial;
-  EXL3_DISPATCH(k2, codebook, launch_variant_gemm_xs, (x, t, p, m, k_tiles, n_tiles, splits, s))
+  return gemm_partial(true, xh, trellis, partial, m, k_tiles, n_tiles, splits, k2, codebook, stream);
 }
 
 int exl3_had_in(const void* x, const void* suh, void* out, int rows, int cols, void* stream) {
