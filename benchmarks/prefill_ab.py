@@ -28,8 +28,8 @@ from sglang_exl3.kernels.triton_trellis import triton_gemm_tiles  # noqa: E402
 # (block_m, block_n, block_k, num_warps, num_stages)
 # (Triton compiles one kernel per config, input width and bitrate: ~10 s each, so the sweep is kept short)
 CONFIGS = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (256, 128, 64, 8, 2), (128, 256, 64, 8, 2)]
-COLUMNS = ["k", "n", "m", "bits", "codebook", "reconstruct_us", "triton_us", "triton_config", "bf16_us",
-           "triton_gemm_only_us", "triton_vs_bf16", "reconstruct_vs_bf16"]
+COLUMNS = ["k", "n", "m", "bits", "codebook", "reconstruct_us", "reconstruct_staged_us", "triton_us",
+           "triton_config", "bf16_us", "triton_gemm_only_us", "triton_vs_bf16", "reconstruct_vs_bf16"]
 COPIES = 3
 
 
@@ -56,6 +56,8 @@ def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
     row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label,
            "reconstruct_us": graph_us(lambda i: ck.exl3_linear(x, tiles[i % COPIES], suh, svh, cb,
                                                                path="reconstruct"), COPIES),
+           "reconstruct_staged_us": graph_us(lambda i: ck.exl3_linear(x, tiles[i % COPIES], suh, svh, cb,
+                                                                      path="reconstruct_staged"), COPIES),
            "bf16_us": graph_us(lambda i: xb @ w_bf16[i % COPIES], COPIES)}
     best = None
     for cfg in CONFIGS:

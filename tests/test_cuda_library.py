@@ -70,6 +70,9 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_reconstruct(None, None, 4, 4, 2, 3, 64, 8, 1, None) == -3  # column tiles past N
     assert lib.exl3_reconstruct(None, None, 4, 4, 0, 4, 64, 9, 1, None) == -1  # 4.5 bits in MCG: unsupported
     assert b"unsupported" in lib.exl3_error_string(-1)
+    lib.exl3_reconstruct_rot_out.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
+    assert lib.exl3_reconstruct_rot_out(None, None, None, 4, 16, 0, 12, 256, 8, 1, None) == -3  # not 128 columns
+    assert lib.exl3_reconstruct_rot_out(None, None, None, 4, 16, 8, 16, 256, 8, 1, None) == -3  # past N
     lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
     assert lib.exl3_gemm_partial_xs(None, None, None, 65, 16, 4, 1, 8, 1, None) == -3  # x in smem: m <= 64
     assert lib.exl3_gemm_partial_xs(None, None, None, 4, 16, 6, 1, 8, 1, None) == -3  # N tiles not a multiple of 4

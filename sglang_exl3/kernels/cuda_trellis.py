@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 9
+ABI_VERSION = 10
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
@@ -158,6 +158,7 @@ def _open_library(path: str) -> ctypes.CDLL:
         raise KernelLibraryUnavailable(f"{path} has ABI {lib.exl3_abi_version()}, expected {ABI_VERSION}; rebuild it")
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.exl3_reconstruct.argtypes = [p, p, i, i, i, i, i, i, i, p]
+    lib.exl3_reconstruct_rot_out.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
@@ -216,6 +217,24 @@ def reconstruct(tiles: torch.Tensor, codebook: Codebook, col_tiles: tuple[int, i
     lib = load_library()
     _check(lib.exl3_reconstruct(tiles.data_ptr(), out.data_ptr(), kt, nt, t0, count, out.stride(0), _k2(tiles),
                                 int(codebook), _stream(tiles)), "reconstruct")
+    return out
+
+
+def reconstruct_rot_out(tiles: torch.Tensor, codebook: Codebook, svh: torch.Tensor,
+                        col_tiles: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W' = W_hat H r diag(svh) fp16 [K, N] (or the column tiles [t0, t0+count), whole 128-column blocks): the
+    reconstructed weight with the output rotation folded in, so that had_in(x) @ W' is the linear's output."""
+    _check_tiles(tiles)
+    nt, kt, _ = tiles.shape
+    t0, count = col_tiles or (0, nt)
+    _check_fp16("svh", svh, (nt * 16,))
+    if count % 8 or t0 % 8:
+        raise ValueError(f"column tiles [{t0}, {t0 + count}) are not whole 128-column blocks")
+    if out is None:
+        out = torch.empty(kt * 16, count * 16, dtype=torch.float16, device=tiles.device)
+    _check(load_library().exl3_reconstruct_rot_out(tiles.data_ptr(), svh[t0 * 16:].data_ptr(), out.data_ptr(), kt, nt,
+                                                    t0, count, out.stride(0), _k2(tiles), int(codebook),
+                                                    _stream(tiles)), "reconstruct_rot_out")
     return out
 
 
@@ -322,13 +341,18 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
                 codebook: Codebook, splits: int | None = None, path: str | None = None,
                 fused_max_m: int = FUSED_CROSSOVER_M) -> torch.Tensor:
     """y fp16 [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 x [m, K] and prepare()d weights.
-    `path`: 'fused', 'reconstruct' or None (fused up to `fused_max_m` rows)."""
+    `path`: 'fused', 'reconstruct' (W' = W_hat H r diag(svh) per column slice, then had_in(x) @ W' in cuBLAS),
+    'reconstruct_staged' (W_hat, cuBLAS, then the output rotation over m x N) or None (fused up to `fused_max_m`
+    rows, else 'reconstruct')."""
     m = x.shape[0]
     xh = had_in(x.contiguous(), suh)
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct"
     if path == "fused":
         return had_out(gemm_rotated_partial(xh, tiles, codebook, splits), svh)
+    if path not in ("reconstruct", "reconstruct_staged"):
+        raise ValueError(f"unknown EXL3 linear path {path!r}")
+    rotated = path == "reconstruct"
     nt, kt, _ = tiles.shape
     y = torch.empty(1, m, nt * 16, dtype=torch.float16, device=x.device)
     cols = max(8, RECONSTRUCT_SLICE_BYTES // (kt * 16 * 2) // 128 * 8)  # column tiles per slice (x128 columns)
@@ -338,9 +362,12 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
         w = scratch[:, : count * 16]
         if count * 16 != scratch.shape[1]:
             w = torch.empty(kt * 16, count * 16, dtype=torch.float16, device=x.device)
-        reconstruct(tiles, codebook, (t0, count), out=w)
+        if rotated:
+            reconstruct_rot_out(tiles, codebook, svh, (t0, count), out=w)
+        else:
+            reconstruct(tiles, codebook, (t0, count), out=w)
         torch.matmul(xh, w, out=y[0, :, t0 * 16:(t0 + count) * 16])
-    return had_out(y, svh)
+    return y[0] if rotated else had_out(y, svh)
 
 
 def dense_experts(tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: Codebook, ones: torch.Tensor,

@@ -47,6 +47,25 @@ def test_reconstruct_bit_exact(cb, bits):
     assert torch.equal(part.cpu().view(torch.int16), ref[:, 48:96].view(torch.int16))
 
 
+@pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2), (Codebook.MUL1, 2.5)],
+                         ids=["mcg-4", "mul1-3", "3inst-2", "mul1-2.5"])
+def test_reconstruct_with_output_rotation(cb, bits):
+    """W' = W_hat H r diag(svh): the codec's reconstruct, rotated along N in fp32, within one fp16 rounding; also
+    column blocks [128, 384) into a strided view; K not a multiple of the kernel's 64 rows per block."""
+    trellis = _trellis(7, 32, bits, seed=int(bits * 10) + int(cb))  # K = 112, N = 512
+    svh = (torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.5).half()
+    ref = had_r_128(reconstruct(trellis, cb).float(), post_scale=svh)
+    tiles = ck.prepare(trellis.cuda())
+    ours = ck.reconstruct_rot_out(tiles, cb, svh.cuda()).cpu().float()
+    assert torch.isfinite(ours).all()
+    assert torch.allclose(ours, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+    part = torch.full((112, 640), float("nan"), dtype=torch.float16, device="cuda")[:, 64:320]
+    ck.reconstruct_rot_out(tiles, cb, svh.cuda(), (8, 16), out=part)
+    assert torch.equal(part.cpu().float(), ours[:, 128:384])
+    with pytest.raises(ValueError, match="128-column blocks"):
+        ck.reconstruct_rot_out(tiles, cb, svh.cuda(), (4, 8))
+
+
 def test_hadamards_bit_exact():
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(37, 640, generator=gen).half()
@@ -127,11 +146,12 @@ def test_fused_gemm_writes_every_element():
         assert torch.isfinite(partial).all()
 
 
+@pytest.mark.parametrize("path", [None, "reconstruct_staged"])
 @pytest.mark.parametrize("m", [65, 300])
-def test_reconstruct_path_matches_reference(m):
+def test_reconstruct_path_matches_reference(m, path):
     trellis, suh, svh, x = _case(384, 512, 3, m, seed=m)
     ref = exl3_linear_reference(x, trellis, suh, svh, Codebook.MUL1)
-    y = ck.exl3_linear(x.cuda(), ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda(), Codebook.MUL1).cpu()
+    y = ck.exl3_linear(x.cuda(), ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda(), Codebook.MUL1, path=path).cpu()
     assert torch.isfinite(y).all() and _rel(y, ref) < 3e-3
 
 

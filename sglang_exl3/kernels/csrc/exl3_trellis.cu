@@ -233,6 +233,83 @@ __global__ void __launch_bounds__(kWarps * 32) reconstruct_kernel(const uint32_t
   *reinterpret_cast<uint4*>(out + (size_t)(tk * 16 + row) * ld + tn_rel * 16 + half_col) = v;
 }
 
+// ---- reconstruct with the output rotation folded in: W' = W_hat H r diag(svh), fp16 [K, ld] -------------
+// For large m the linear becomes had_in(x) @ W' in one cuBLAS GEMM: no output rotation over m x N outputs (86 us at
+// m = 2048 on 4096x14336, ALU-bound on its shuffles) and no second pass over the GEMM output. Each block decodes a
+// 64 x 128 piece of W_hat (4 x 8 tiles) into shared memory as fp32 and rotates its rows in two passes without
+// shuffles: the Hadamard's stages commute, so each thread first transforms 16 consecutive elements (strides 1-8)
+// in registers, then 8 elements 16 apart (strides 16-64), scales by r x svh and rounds once to fp16. fp32
+// throughout; not bit-identical to the staged path (which rounds the GEMM output to fp16 before rotating it), within
+// fp16 GEMM tolerance of the reference.
+constexpr int kRotRows = 64;  // k rows per block
+constexpr int kRotThreads = 256;
+constexpr int kRotStride = 132;  // floats per shared row: 16-byte aligned rows, skewed banks
+
+template <int N, int S>
+__device__ __forceinline__ void butterfly_local(float (&v)[N]) {  // strides S, 2S, .. < N over v[0..N)
+#pragma unroll
+  for (int s = S; s < N; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (!(i & s)) {
+        const float a = v[i], b = v[i + s];
+        v[i] = a + b;
+        v[i + s] = a - b;
+      }
+}
+
+template <int K2, int CB>
+__global__ void __launch_bounds__(kRotThreads) reconstruct_rot_out_kernel(const uint32_t* __restrict__ trellis,
+                                                                         const half* __restrict__ svh,
+                                                                         half* __restrict__ out, int k_tiles, int tn0,
+                                                                         int ld) {
+  __shared__ __align__(16) float w[kRotRows][kRotStride];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nb = blockIdx.x, kt0 = blockIdx.y * (kRotRows / 16);  // 128-column block (from tn0), first k tile
+  const int rows = min(kRotRows, (k_tiles - kt0) * 16);
+  const LaneBits<K2> bits(lane);
+  const int g = lane >> 2, r = 2 * (lane & 3);
+  for (int t = warp; t < (kRotRows / 16) * 8; t += kRotThreads / 32) {  // 4 k tiles x 8 column tiles
+    const int tk = t >> 3, tn = t & 7;
+    if (tk * 16 >= rows) break;
+    uint32_t u[LaneBits<K2>::kLoad], frag[4];
+    bits.load(trellis, (uint32_t)((tn0 + nb * 8 + tn) * k_tiles + kt0 + tk) * words32(K2), u);
+    bits.template decode<CB>(u, frag);
+    const half2* f = reinterpret_cast<const half2*>(frag);
+    float* s = &w[tk * 16][tn * 16];
+    s[r * kRotStride + g] = __low2float(f[0]);
+    s[(r + 1) * kRotStride + g] = __high2float(f[0]);
+    s[r * kRotStride + g + 8] = __low2float(f[1]);
+    s[(r + 1) * kRotStride + g + 8] = __high2float(f[1]);
+    s[(r + 8) * kRotStride + g] = __low2float(f[2]);
+    s[(r + 9) * kRotStride + g] = __high2float(f[2]);
+    s[(r + 8) * kRotStride + g + 8] = __low2float(f[3]);
+    s[(r + 9) * kRotStride + g + 8] = __high2float(f[3]);
+  }
+  __syncthreads();
+  for (int task = threadIdx.x; task < rows * 8; task += kRotThreads) {  // pass 1: 16 consecutive, strides 1-8
+    float4* q = reinterpret_cast<float4*>(&w[task >> 3][(task & 7) * 16]);
+    float v[16];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) *reinterpret_cast<float4*>(&v[4 * c]) = q[c];
+    butterfly_local<16, 1>(v);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) q[c] = *reinterpret_cast<const float4*>(&v[4 * c]);
+  }
+  __syncthreads();
+  for (int task = threadIdx.x; task < rows * 16; task += kRotThreads) {  // pass 2: 8 elements 16 apart
+    const int row = task >> 4, j = task & 15;
+    float v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = w[row][j + 16 * q];
+    butterfly_local<8, 1>(v);
+    half* o = out + (size_t)(kt0 * 16 + row) * ld + nb * 128 + j;
+    const half* sv = svh + nb * 128 + j;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) o[16 * q] = __float2half_rn(v[q] * kRScale * __half2float(sv[16 * q]));
+  }
+}
+
 // ---- fused decode GEMM: partial[split, m, N] = xh[m, K-slice] @ W_hat[K-slice, N] -----------------
 // Weights in the kernel layout [N/16, K/16, words] (tiles of one column strip contiguous; see prepare()).
 
@@ -886,6 +963,14 @@ int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int n
 }
 
 template <int K2, int CB>
+int launch_variant_reconstruct_rot_out(const uint32_t* trellis, const half* svh, half* out, int kt, int tn0,
+                                       int tn_count, int ld, cudaStream_t stream) {
+  const dim3 grid(tn_count / 8, (kt + kRotRows / 16 - 1) / (kRotRows / 16));
+  reconstruct_rot_out_kernel<K2, CB><<<grid, kRotThreads, 0, stream>>>(trellis, svh, out, kt, tn0, ld);
+  return (int)cudaGetLastError();
+}
+
+template <int K2, int CB>
 int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int nt, int tn0, int tn_count, int ld,
                                cudaStream_t stream) {
   const int tiles = kt * tn_count;
@@ -923,6 +1008,20 @@ int exl3_reconstruct(const void* trellis, void* out, int k_tiles, int n_tiles, i
   auto t = (const uint32_t*)trellis;
   auto o = (half*)out;
   EXL3_DISPATCH(k2, codebook, launch_variant_reconstruct, (t, o, k_tiles, n_tiles, tn0, tn_count, ld, s))
+}
+
+// W' = W_hat[:, column tiles tn0 ..] H r diag(svh[those columns]) as fp16 [K, ld] (tn_count a multiple of 8: whole
+// 128-column blocks); svh points at the first of those columns.
+int exl3_reconstruct_rot_out(const void* trellis, const void* svh, void* out, int k_tiles, int n_tiles, int tn0,
+                             int tn_count, int ld, int k2, int codebook, void* stream) {
+  if (k_tiles <= 0 || tn_count <= 0 || tn_count % 8 || tn0 < 0 || tn0 + tn_count > n_tiles || ld < tn_count * 16 ||
+      ld % 8)
+    return -3;
+  auto s = (cudaStream_t)stream;
+  auto t = (const uint32_t*)trellis;
+  auto v = (const half*)svh;
+  auto o = (half*)out;
+  EXL3_DISPATCH(k2, codebook, launch_variant_reconstruct_rot_out, (t, v, o, k_tiles, tn0, tn_count, ld, s))
 }
 
 static int gemm_partial(bool xs, const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
@@ -1122,7 +1221,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 9; }
+int exl3_abi_version(void) { return 10; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
