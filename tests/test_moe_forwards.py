@@ -164,3 +164,25 @@ def test_kernel_lookup_skips_empty_sources(compiled_lib):
     assert past[0] >= s + filled and past[2] == 0  # an empty source: no work
     assert probe(0, (s + 2) * 768 + 5)[1] == s + 2  # columns: static, source by source
     assert items == 2 * s * per and cols == 2 * s * 768
+
+
+def test_fused_moe_stages_x_in_shared_memory_by_the_group_policy():
+    """Which of the fused forward's two GEMMs stage x in shared memory: sorted tiles of 8+ rows (MCG) and per-pair
+    sources of MUL1, each while its K slice fits XS_GROUP_SMEM_BYTES (Qwen3-30B-A3B: gate/up K = 2048, down 768)."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, MoeTables
+
+    def bank(k_tiles: int, cb: Codebook) -> Exl3ExpertBank:
+        return Exl3ExpertBank(rows=torch.zeros(4, 8, dtype=torch.int64), n_tiles=48, k_tiles=k_tiles, splits=1, k2=8,
+                              codebook=int(cb))
+
+    def slices(rows: int, cb: Codebook) -> tuple[int, int]:
+        t = MoeTables(gate_up=torch.empty(0), down=torch.empty(0), sources=4, rows=rows, gate_up_items=4,
+                      gate_up_partial=4, down_items=4, down_partial=4, gate_up_slice=128, down_slice=48)
+        return t.xs_slices(bank(128, cb), bank(48, cb))
+
+    assert slices(1, Codebook.MCG) == (0, 0)  # per pair, MCG: global loads
+    assert slices(1, Codebook.MUL1) == (128, 48)
+    assert slices(8, Codebook.MCG) == (128, 48)
+    assert slices(16, Codebook.MCG) == (128, 48)  # 16 x 4,112 B = 66 KB
+    assert slices(32, Codebook.MCG) == (0, 48)  # gate/up 131 KB: too long a slice; down 50 KB
+    assert slices(64, Codebook.INST3) == (0, 0)

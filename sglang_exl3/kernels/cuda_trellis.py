@@ -168,7 +168,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
-                                   p, p]
+                                   i, i, p, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -682,6 +682,16 @@ class MoeTables:
     gate_up_partial: int
     down_items: int
     down_partial: int
+    gate_up_slice: int = 0  # K tiles of one source's split (sizes x in shared memory; 0: global loads)
+    down_slice: int = 0
+
+    def xs_slices(self, gate: Exl3ExpertBank, down: Exl3ExpertBank) -> tuple[int, int]:
+        """The slices the fused forward's two GEMMs stage in shared memory (0: global loads), by the same policy as
+        a group's: use_xs for `rows` rows of the bank's codebook, the slice within XS_GROUP_SMEM_BYTES."""
+        def one(slice_tiles: int, bank: Exl3ExpertBank) -> int:
+            fits = slice_tiles > 0 and xs_smem(self.rows, slice_tiles) <= XS_GROUP_SMEM_BYTES
+            return slice_tiles if fits and use_xs(self.rows, 4, bank.codebook) else 0
+        return one(self.gate_up_slice, gate), one(self.down_slice, down)
 
 
 def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Exl3ExpertBank,
@@ -706,12 +716,13 @@ def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Ex
     xh_dn = torch.empty(t.sources, t.rows, inter, dtype=torch.float16, device=dev)
     partial_dn = torch.empty(t.down_partial * t.rows, dtype=torch.float32, device=dev)
     out = torch.empty(pairs // topk, down.n_tiles * 16, dtype=torch.float32, device=dev)
+    gu_xs, dn_xs = t.xs_slices(gate, down)
     _check(load_library().exl3_moe_fused(
         x.data_ptr(), int(x.dtype == torch.bfloat16), t.gate_up.data_ptr(), t.down.data_ptr(), t.sources, t.rows,
         hidden, inter, t.gate_up_items, t.down_items, gate.k2, gate.codebook, down.k2, down.codebook,
         xh_gu.data_ptr(), partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
         None if pair_rows is None else pair_rows.contiguous().data_ptr(), weights.data_ptr(), ids.data_ptr(),
-        _ids_bytes(ids), pairs // topk, topk, int(gelu), out.data_ptr(), _stream(x)), "fused moe")
+        _ids_bytes(ids), pairs // topk, topk, int(gelu), gu_xs, dn_xs, out.data_ptr(), _stream(x)), "fused moe")
     return out
 
 

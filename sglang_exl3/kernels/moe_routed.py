@@ -40,7 +40,9 @@ def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     if fused:
         tables = MoeTables(gate_up=table[gu.start:gu.start + gu.num], down=table[dn.start:dn.start + dn.num],
                            sources=pairs, rows=1, gate_up_items=gu.items, gate_up_partial=gu.partial,
-                           down_items=dn.items, down_partial=dn.partial)
+                           down_items=dn.items, down_partial=dn.partial,
+                           gate_up_slice=-(-gate.k_tiles // min(gate.splits, up.splits)),  # the longest
+                           down_slice=-(-down.k_tiles // down.splits))
         return moe_fused(x, tables, gate, down, weights, ids, topk, gelu)
     gate_up = run(x, table[gu.start:gu.start + gu.num], gu.num, 1, gate.k_tiles, gu.items, gu.cols, gu.partial,
                   gate.k2, gate.codebook)  # [1, 2 * P * I]

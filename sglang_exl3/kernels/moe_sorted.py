@@ -119,7 +119,8 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
     if fused:
         tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
-                           gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part)
+                           gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part,
+                           gate_up_slice=gate.k_tiles, down_slice=down.k_tiles)  # unsplit sources
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
     gate_up = run(xs, gu_table, 2 * s, tile, gate.k_tiles, gu_items, gu_cols, gu_part, gate.k2, gate.codebook)
     act = act_mul(gate_up, s, inter, gelu)  # [S * tile, I]: source-major, the sorted row order again

@@ -406,18 +406,21 @@ def test_moe_glue_kernels_match_their_host_code(gelu):
         assert torch.allclose(got, ck.moe_combine(y, w, ids, 8, 256, r), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cb", [Codebook.MCG, Codebook.MUL1], ids=["mcg", "mul1"])
 @pytest.mark.parametrize("path", ["routed", "sorted"])
 @pytest.mark.parametrize("m, topk, gelu, id_dtype", [(1, 2, False, torch.int32), (3, 3, True, torch.int64),
                                                      (33, 2, False, torch.int32)])
-def test_fused_moe_bit_identical_to_its_stages(path, m, topk, gelu, id_dtype):
+def test_fused_moe_bit_identical_to_its_stages(path, m, topk, gelu, id_dtype, cb):
     """The five-launch forward (rotations folded into act * up and into the combine) against the same forward run
     stage by stage (itself checked against the codec above): bit-identical fp32 outputs, for fp16 x and for bf16 x
-    (rounded to fp16 inside, as the cast it replaces), ids of -1 skipped, empty sorted sources (m = 33)."""
+    (rounded to fp16 inside, as the cast it replaces), ids of -1 skipped, empty sorted sources (m = 33). The fused
+    GEMMs stage x in shared memory where the policy says so (sorted tiles of 8+ rows; MUL1 also per pair), the
+    stages never: so this also checks that path."""
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
 
     n_exp, hidden, inter = 6, 256, 384
-    gate, up, down = _banks(_experts(n_exp, hidden, inter, 3 if m == 3 else 4, seed=11 * m), Codebook.MCG)
+    gate, up, down = _banks(_experts(n_exp, hidden, inter, 3 if m == 3 else 4, seed=11 * m), cb)
     gen = torch.Generator().manual_seed(100 + m)
     x = (torch.randn(m, hidden, generator=gen) * 2).bfloat16().cuda()
     ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(id_dtype)

@@ -1102,7 +1102,7 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
                    int hidden, int inter, int gu_items, int dn_items, int gu_k2, int gu_codebook, int dn_k2,
                    int dn_codebook, void* xh_gu, void* partial_gu, void* xh_dn, void* partial_dn,
                    const void* pair_rows, const void* w, const void* ids, int ids_bytes, int tokens, int topk,
-                   int gelu, void* out, void* stream) {
+                   int gelu, int gu_xs_slice, int dn_xs_slice, void* out, void* stream) {
   if (sources <= 0 || rows <= 0 || rows > 64 || hidden <= 0 || hidden % 128 || inter <= 0 || inter % 128 ||
       gu_items <= 0 || dn_items <= 0 || tokens <= 0 || topk <= 0 || topk > kMaxFusedTopk || (ids_bytes != 4 && ids_bytes != 8))
     return -3;
@@ -1119,6 +1119,9 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
   const half* xg = (const half*)xh_gu;
   float* pg = (float*)partial_gu;
   int code = [&]() -> int {
+    if (gu_xs_slice > 0)
+      EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_gemm_group_xs,
+                    (xg, gu, 2 * sources, pg, rows, hidden / 16, gu_items, gu_xs_slice, s))
     EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_gemm_group,
                   (xg, gu, 2 * sources, pg, rows, hidden / 16, gu_items, s))
   }();
@@ -1129,6 +1132,9 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
   const half* xd = (const half*)xh_dn;
   float* pd = (float*)partial_dn;
   code = [&]() -> int {
+    if (dn_xs_slice > 0)
+      EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_gemm_group_xs,
+                    (xd, dn, sources, pd, rows, inter / 16, dn_items, dn_xs_slice, s))
     EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_gemm_group, (xd, dn, sources, pd, rows, inter / 16, dn_items, s))
   }();
   if (code != 0) return code;
