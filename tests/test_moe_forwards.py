@@ -164,3 +164,15 @@ def test_kernel_lookup_skips_empty_sources(compiled_lib):
     assert past[0] >= s + filled and past[2] == 0  # an empty source: no work
     assert probe(0, (s + 2) * 768 + 5)[1] == s + 2  # columns: static, source by source
     assert items == 2 * s * per and cols == 2 * s * 768
+
+
+def test_shared_memory_x_splits_keep_the_partials_bounded():
+    """The split count raised for the x slice stops at XS_PARTIAL_BYTES of fp32 partials; past that the slice grows
+    up to the kernel's shared memory, else no shared-memory x at all (a 151936-wide lm_head at 64 rows)."""
+    assert ck.xs_splits(16, 256, 896, 5) == 6  # 4096x14336: the 24 KB budget's 6 splits, 5.5 MB of partials
+    assert ck.xs_splits(64, 256, 896, 5) == 12  # 48 KB budget, 44 MB of partials
+    s = ck.xs_splits(64, 320, 1728, 5)  # 5120x27648: the budget wants 14 splits (99 MB); the cap allows 9
+    assert s == 9 and s * 64 * 27648 * 4 <= ck.XS_PARTIAL_BYTES and ck.xs_smem(64, -(-320 // s)) <= 96 << 10
+    assert ck.xs_splits(64, 256, 9496, 1) is None  # lm_head: 1 split (39 MB) leaves a 526 KB slice
+    s = ck.xs_splits(32, 256, 9496, 1)  # at 32 rows: 3 splits, an 88 KB slice
+    assert s == 3 and ck.xs_smem(32, -(-256 // s)) <= 96 << 10
