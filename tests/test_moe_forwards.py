@@ -186,3 +186,14 @@ def test_fused_moe_stages_x_in_shared_memory_by_the_group_policy():
     assert slices(16, Codebook.MCG) == (128, 48)  # 16 x 4,112 B = 66 KB
     assert slices(32, Codebook.MCG) == (0, 48)  # gate/up 131 KB: too long a slice; down 50 KB
     assert slices(64, Codebook.INST3) == (0, 0)
+
+def test_shared_memory_x_splits_keep_the_partials_bounded():
+    """The split count raised for the x slice stops at XS_PARTIAL_BYTES of fp32 partials; past that the slice grows
+    up to the kernel's shared memory, else no shared-memory x at all (a 151936-wide lm_head at 64 rows)."""
+    assert ck.xs_splits(16, 256, 896, 5) == 6  # 4096x14336: the 24 KB budget's 6 splits, 5.5 MB of partials
+    assert ck.xs_splits(64, 256, 896, 5) == 12  # 48 KB budget, 44 MB of partials
+    s = ck.xs_splits(64, 320, 1728, 5)  # 5120x27648: the budget wants 14 splits (99 MB); the cap allows 9
+    assert s == 9 and s * 64 * 27648 * 4 <= ck.XS_PARTIAL_BYTES and ck.xs_smem(64, -(-320 // s)) <= 96 << 10
+    assert ck.xs_splits(64, 256, 9496, 1) is None  # lm_head: 1 split (39 MB) leaves a 526 KB slice
+    s = ck.xs_splits(32, 256, 9496, 1)  # at 32 rows: 3 splits, an 88 KB slice
+    assert s == 3 and ck.xs_smem(32, -(-256 // s)) <= 96 << 10

@@ -45,6 +45,10 @@ XS_SMEM_BYTES = 24 << 10  # x slice per block up to 32 rows: splits grow until i
 XS_SMEM_BYTES_64 = 48 << 10  # 33-64 rows: 48 KB (1.2-1.3x faster than 24 KB there; 96 KB is slower again)
 XS_GROUP_SMEM_BYTES = 96 << 10  # a group's splits are fixed at load: above this slice (the kernel's limit), global
 # loads; a longer slice costs occupancy but beats global loads (4096x14336, m = 32, 96 KB: 1.6x)
+# More splits mean more fp32 partials [splits, m, N]: the raised split count stops where they would pass this (a
+# 151936-wide lm_head at m = 64 would need 24 splits, 933 MB); the slice then grows up to XS_GROUP_SMEM_BYTES, and
+# where it cannot, global loads (and above 32 rows, reconstruct + cuBLAS: measured faster there).
+XS_PARTIAL_BYTES = 64 << 20
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -311,6 +315,15 @@ def use_xs(m: int, n_tiles: int, codebook: Codebook | int | None = None) -> bool
     return lo <= m <= XS_MAX_M and n_tiles % 4 == 0
 
 
+def xs_splits(m: int, k_tiles: int, n_tiles: int, base_splits: int) -> int | None:
+    """Split count for the shared-memory-x GEMM: the policy's budget's (`xs_min_splits`), no fewer than
+    `base_splits`, no more than keep the partials within XS_PARTIAL_BYTES; None where the slice that leaves cannot
+    fit XS_GROUP_SMEM_BYTES (then global loads)."""
+    cap = max(base_splits, XS_PARTIAL_BYTES // (m * n_tiles * 16 * 4))
+    splits = min(k_tiles, max(base_splits, min(xs_min_splits(m, k_tiles), cap)))
+    return splits if xs_smem(m, -(-k_tiles // splits)) <= XS_GROUP_SMEM_BYTES else None
+
+
 def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
                          splits: int | None = None, xs: bool | None = None) -> torch.Tensor:
     """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64.
@@ -329,7 +342,8 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
     if not splits:
         splits = default_splits(kt, nt, xh.device)
         if xs:
-            splits = min(kt, max(splits, xs_min_splits(m, kt)))
+            chosen = xs_splits(m, kt, nt, splits)
+            xs, splits = (True, chosen) if chosen else (False, splits)
     partial = torch.empty(splits, m, nt * 16, dtype=torch.float32, device=xh.device)
     fn = load_library().exl3_gemm_partial_xs if xs else load_library().exl3_gemm_partial
     _check(fn(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt, splits, _k2(tiles), int(codebook),
@@ -348,6 +362,10 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     xh = had_in(x.contiguous(), suh)
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct"
+        if path == "fused" and m > 32 and not splits:  # 33-64 rows pay only with x in shared memory
+            nt, kt = tiles.shape[0], tiles.shape[1]
+            if not (use_xs(m, nt, codebook) and xs_splits(m, kt, nt, default_splits(kt, nt, x.device))):
+                path = "reconstruct"
     if path == "fused":
         return had_out(gemm_rotated_partial(xh, tiles, codebook, splits), svh)
     if path not in ("reconstruct", "reconstruct_staged"):
