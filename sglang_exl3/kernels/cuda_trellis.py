@@ -309,10 +309,11 @@ def xs_min_splits(m: int, k_tiles: int, smem_bytes: int | None = None) -> int:
     return -(-k_tiles // slice_tiles)
 
 
-def use_xs(m: int, n_tiles: int, codebook: Codebook | int | None = None) -> bool:
-    """Whether the GEMM stages x in shared memory (one ldmatrix per tile instead of per-lane global loads)."""
+def use_xs(m: int, codebook: Codebook | int | None = None) -> bool:
+    """Whether m rows of this codebook stage x in shared memory (one ldmatrix per tile instead of per-lane global
+    loads). The kernels also need N % 64 == 0, which every group source and expert has (N % 128 == 0)."""
     lo = XS_MIN_M_MUL1 if codebook is not None and int(codebook) == int(Codebook.MUL1) else XS_MIN_M
-    return lo <= m <= XS_MAX_M and n_tiles % 4 == 0
+    return lo <= m <= XS_MAX_M
 
 
 def xs_splits(m: int, k_tiles: int, n_tiles: int, base_splits: int) -> int | None:
@@ -322,6 +323,14 @@ def xs_splits(m: int, k_tiles: int, n_tiles: int, base_splits: int) -> int | Non
     cap = max(base_splits, XS_PARTIAL_BYTES // (m * n_tiles * 16 * 4))
     splits = min(k_tiles, max(base_splits, min(xs_min_splits(m, k_tiles), cap)))
     return splits if xs_smem(m, -(-k_tiles // splits)) <= XS_GROUP_SMEM_BYTES else None
+
+
+def auto_xs_splits(m: int, k_tiles: int, n_tiles: int, codebook: Codebook | int, device: torch.device) -> int | None:
+    """The policy for a single linear given no split count: the shared-memory-x split count, or None for global
+    loads at `default_splits`."""
+    if not use_xs(m, codebook) or n_tiles % 4:
+        return None
+    return xs_splits(m, k_tiles, n_tiles, default_splits(k_tiles, n_tiles, device))
 
 
 def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
@@ -337,8 +346,11 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
     if xs and nt % 4:
         raise ValueError(f"x in shared memory takes N % 64 == 0, got N={nt * 16}")
-    if xs is None:  # the policy; a caller's own splits keep global loads where their slice is too long
-        xs = use_xs(m, nt, codebook) and (not splits or xs_smem(m, -(-kt // splits)) <= XS_GROUP_SMEM_BYTES)
+    if xs is None and not splits:  # the policy
+        splits = auto_xs_splits(m, kt, nt, codebook, xh.device)
+        xs = splits is not None
+    elif xs is None:  # a caller's own splits keep global loads where their slice is too long
+        xs = use_xs(m, codebook) and nt % 4 == 0 and xs_smem(m, -(-kt // splits)) <= XS_GROUP_SMEM_BYTES
     if not splits:
         splits = default_splits(kt, nt, xh.device)
         if xs:
@@ -360,14 +372,16 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     rows, else 'reconstruct')."""
     m = x.shape[0]
     xh = had_in(x.contiguous(), suh)
+    xs = None
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct"
-        if path == "fused" and m > 32 and not splits:  # 33-64 rows pay only with x in shared memory
-            nt, kt = tiles.shape[0], tiles.shape[1]
-            if not (use_xs(m, nt, codebook) and xs_splits(m, kt, nt, default_splits(kt, nt, x.device))):
+        if path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
+            splits = auto_xs_splits(m, tiles.shape[1], tiles.shape[0], codebook, x.device)
+            xs = splits is not None
+            if m > 32 and not xs:
                 path = "reconstruct"
     if path == "fused":
-        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits), svh)
+        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs), svh)
     if path not in ("reconstruct", "reconstruct_staged"):
         raise ValueError(f"unknown EXL3 linear path {path!r}")
     rotated = path == "reconstruct"
@@ -437,7 +451,7 @@ class Exl3Group:
         """The x slice to stage in shared memory for m rows (0: global loads): where use_xs says so and the
         slice fits XS_GROUP_SMEM_BYTES (the group's splits are fixed at load, unlike a single linear's)."""
         fits = xs_smem(m, self.max_slice) <= XS_GROUP_SMEM_BYTES
-        return self.max_slice if use_xs(m, 4, self.codebook) and fits else 0
+        return self.max_slice if use_xs(m, self.codebook) and fits else 0
 
 
 def _check_source(what: str, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> None:
@@ -708,7 +722,7 @@ class MoeTables:
         a group's: use_xs for `rows` rows of the bank's codebook, the slice within XS_GROUP_SMEM_BYTES."""
         def one(slice_tiles: int, bank: Exl3ExpertBank) -> int:
             fits = slice_tiles > 0 and xs_smem(self.rows, slice_tiles) <= XS_GROUP_SMEM_BYTES
-            return slice_tiles if fits and use_xs(self.rows, 4, bank.codebook) else 0
+            return slice_tiles if fits and use_xs(self.rows, bank.codebook) else 0
         return one(self.gate_up_slice, gate), one(self.down_slice, down)
 
 

@@ -13,7 +13,8 @@ reconstruct + cuBLAS. It reads the CUDA kernels' prepare()d layout.
 
 Status: correctness verified against the reference codec in Triton's interpreter on CPU
 (tests/test_triton_trellis.py). On the H200 the small-m split-K kernel lost to the CUDA kernels (NOTES, second
-session); `triton_gemm_tiles` is not measured yet (benchmarks/prefill_ab.py).
+session), and `triton_gemm_tiles` measured 4-8x bf16 cuBLAS at m = 256/2048, slower than reconstruct + cuBLAS
+(benchmarks/results/prefill-h200.md, NOTES ninth session).
 """
 
 from __future__ import annotations

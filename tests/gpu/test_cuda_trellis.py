@@ -238,7 +238,7 @@ def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
     for m in (1, 8, 11, 16, 20, 32):
         args = (x[:m], group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
                 group.partial_per_row, group.k2, group.codebook)
-        assert group.xs_slice(m) == (64 if ck.use_xs(m, 4, cb) else 0)
+        assert group.xs_slice(m) == (64 if ck.use_xs(m, cb) else 0)
         want = ck.group_run(*args, xs_slice=0)
         got = ck.group_run(*args, xs_slice=group.max_slice)
         assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), f"m={m}"
