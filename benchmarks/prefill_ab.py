@@ -44,7 +44,7 @@ def _case(k: int, n: int, m: int, bits: int, cb: Codebook):
     return tiles, suh, svh, x, [ck.reconstruct(t, cb).bfloat16() for t in tiles], x.bfloat16()
 
 
-def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
+def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook, configs=CONFIGS) -> dict:
     tiles, suh, svh, x, w_bf16, xb = _case(k, n, m, bits, cb)
 
     def triton_linear(i: int, cfg) -> torch.Tensor:
@@ -60,7 +60,7 @@ def bench_case(k: int, n: int, m: int, bits: int, cb: Codebook) -> dict:
                                                                       path="reconstruct_staged"), COPIES),
            "bf16_us": graph_us(lambda i: xb @ w_bf16[i % COPIES], COPIES)}
     best = None
-    for cfg in CONFIGS:
+    for cfg in configs:
         if n % cfg[1] or k % cfg[2]:
             continue
         try:
@@ -116,7 +116,9 @@ def main() -> int:
     ap.add_argument("--bits", default="4")
     ap.add_argument("--slices", default=None, help="comma-separated W_hat slice sizes in MB: time only the "
                                                    "reconstruct path per slice size (prefill-slices table)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernel (its configs compile slowly)")
     args = ap.parse_args()
+    configs = [] if args.no_triton else CONFIGS
     slices = [int(v) for v in args.slices.split(",")] if args.slices else None
     rows = []
     for shape in args.shapes.split(","):
@@ -124,7 +126,7 @@ def main() -> int:
         for bits in (int(b) for b in args.bits.split(",")):
             for m in (int(v) for v in args.ms.split(",")):
                 rows.append(bench_slices(k, n, m, bits, Codebook.MCG, slices) if slices else
-                            bench_case(k, n, m, bits, Codebook.MCG))
+                            bench_case(k, n, m, bits, Codebook.MCG, configs))
                 print("ROW", rows[-1], flush=True)
                 torch.cuda.empty_cache()
     if slices:

@@ -28,7 +28,7 @@ from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 10
+ABI_VERSION = 11
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
@@ -173,6 +173,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
                                    i, i, p, p]
+    lib.exl3_moe_decode.argtypes = [p, i, p, p, p, p, i, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p,
+                                    ctypes.c_longlong, i, p, i, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -755,6 +757,68 @@ def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Ex
         xh_gu.data_ptr(), partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
         None if pair_rows is None else pair_rows.contiguous().data_ptr(), weights.data_ptr(), ids.data_ptr(),
         _ids_bytes(ids), pairs // topk, topk, int(gelu), gu_xs, dn_xs, out.data_ptr(), _stream(x)), "fused moe")
+    return out
+
+
+DECODE_WAVE_WARPS = 32  # resident warps per SM that a decode launch's splits aim to fill once
+DECODE_OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device) -> int:
+    """K splits of one decode-MoE launch: slices of whole 128-blocks (the block rotates its own slice of x), the
+    most that keep sources * n_tiles * splits warps within one wave of resident warps."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    blocks, best = k_tiles // 8, 1
+    for s in range(1, blocks + 1):
+        if blocks % s == 0 and sources * n_tiles * s <= sms * DECODE_WAVE_WARPS:
+            best = s
+    return best
+
+
+def decode_counters(max_pairs: int, max_tokens: int, hidden: int, inter: int, device) -> torch.Tensor:
+    """The decode MoE's arrival counters for up to max_pairs pairs of max_tokens tokens: zero, and left zero by
+    every call (each is reset by the block that completes it), so one buffer serves every call of its owner."""
+    return torch.zeros(max_pairs * (inter // 128) + max_tokens * (hidden // 128), dtype=torch.int32, device=device)
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Exl3ExpertBank, up: Exl3ExpertBank,
+               down: Exl3ExpertBank, topk: int, gelu: bool, counters: torch.Tensor, gu_splits: int | None = None,
+               dn_splits: int | None = None, out_dtype: torch.dtype = torch.float32, pdl: bool = True) -> torch.Tensor:
+    """[tokens, H] in out_dtype: the MoE forward for one source per (token, expert) pair in two launches (gate/up
+    GEMM + the mid rotations; down GEMM + the tail), the expert of each pair read from `ids` on the device. x fp16
+    or bf16 [tokens, H]; ids int32/int64 and fp32 weights [tokens * top-k] (ids below 0: not this rank's, weight
+    0). Bit-identical to `moe_fused` at the same splits (fp32 out; fp16/bf16 out is that result rounded)."""
+    pairs = ids.numel()
+    hidden, inter = gate.k_tiles * 16, gate.n_tiles * 16
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or x.shape[1] != hidden or \
+            weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or topk > MAX_FUSED_TOPK or \
+            x.shape[0] != pairs // topk or out_dtype not in DECODE_OUT_KINDS:
+        raise ValueError(f"moe_decode: fp16/bf16 x [tokens, {hidden}], fp32 weights and ids of tokens * top-k "
+                         f"(<= {MAX_FUSED_TOPK}) pairs, out fp32/fp16/bf16; got x {x.dtype} {tuple(x.shape)}, "
+                         f"weights {weights.dtype} {weights.numel()}, {pairs} ids, top-k {topk}, out {out_dtype}")
+    if (up.k_tiles, up.n_tiles, up.k2, up.codebook) != (gate.k_tiles, gate.n_tiles, gate.k2, gate.codebook) or \
+            (down.k_tiles, down.n_tiles) != (gate.n_tiles, gate.k_tiles):
+        raise ValueError("moe_decode: gate and up share shape, bits and codebook; down maps the intermediate back")
+    tokens, dev = pairs // topk, x.device
+    need = pairs * (inter // 128) + tokens * (hidden // 128)
+    if counters.dtype != torch.int32 or counters.numel() < need or counters.device != dev:
+        raise ValueError(f"moe_decode: counters must be int32 with at least {need} elements on {dev} "
+                         f"(decode_counters), got {counters.dtype} {counters.numel()} on {counters.device}")
+    gu = gu_splits or decode_splits(gate.k_tiles, gate.n_tiles, 2 * pairs, dev)
+    dn = dn_splits or decode_splits(down.k_tiles, down.n_tiles, pairs, dev)
+    x, weights = x.contiguous(), weights.contiguous()
+    partial_gu = torch.empty(pairs * 2 * gu * inter, dtype=torch.float32, device=dev)
+    xh_dn = torch.empty(pairs * inter, dtype=torch.float16, device=dev)
+    partial_dn = torch.empty(pairs * dn * hidden, dtype=torch.float32, device=dev)
+    out = torch.empty(tokens, hidden, dtype=out_dtype, device=dev)
+    if pairs == 0:
+        return out.zero_()
+    _check(load_library().exl3_moe_decode(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), gate.rows.data_ptr(), up.rows.data_ptr(), down.rows.data_ptr(),
+        ids.data_ptr(), _ids_bytes(ids), weights.data_ptr(), tokens, topk, hidden, inter, gate.k2, gate.codebook,
+        down.k2, down.codebook, gu, dn, partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
+        counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_KINDS[out_dtype], int(pdl),
+        _stream(x)), "moe decode")
     return out
 
 

@@ -355,10 +355,12 @@ __device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, 
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
 }
 
-template <int K2, int CB, int MT, int DEPTH, bool XS = false>
+// With XS, `stage(kt0, kt1)` fills the block's x slice and returns the lane's ldmatrix address (default: stage_x
+// from xh); it runs after the first group's trellis loads are issued.
+template <int K2, int CB, int MT, int DEPTH, bool XS = false, typename Stage = int>
 __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
                                           float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
-                                          int item, uint4* __restrict__ xs = nullptr) {
+                                          int item, uint4* __restrict__ xs = nullptr, Stage stage = 0) {
   constexpr int L = LaneBits<K2>::kLoad;
   const int lane = threadIdx.x & 31;
   const int tn = item % n_tiles, split = item / n_tiles;
@@ -458,7 +460,10 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   uint32_t buf_a[DEPTH][L], buf_b[DEPTH][L];
   uint32_t xb_a[DEPTH][XB][2], xb_b[DEPTH][XB][2];
   if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
-  if constexpr (XS) xs_addr = stage_x<MT>(xh, m, K, kt0, kt1, xs);  // while the first group's words are in flight
+  if constexpr (XS) {  // while the first group's words are in flight
+    if constexpr (std::is_same_v<Stage, int>) xs_addr = stage_x<MT>(xh, m, K, kt0, kt1, xs);
+    else xs_addr = stage(kt0, kt1);
+  }
   for (int grp = 0; grp < groups; grp += 2) {
     if (grp + 1 < groups) load_tiles(buf_b, xb_b, DEPTH);
     compute_tiles(buf_a, xb_a, DEPTH);
@@ -717,7 +722,13 @@ __device__ __forceinline__ void had_in_block(const T* __restrict__ x, const half
 
 // fp16(fp16(r_scale * H(sum_s acc[s])) * svh) of one 128-block into registers (lane: 4 consecutive elements);
 // acc points at split 0, splits split_stride apart
-template <typename T>
+template <bool kCG, typename T>
+__device__ __forceinline__ float load_acc(const T* p) {
+  if constexpr (kCG) return __ldcg(p);  // fp32 only: written by another block of this launch, read past L1
+  else return (float)*p;
+}
+
+template <typename T, bool kCG = false>
 __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t split_stride, int splits,
                                                const half* __restrict__ svh, int lane, half (&op)[4]) {
   float v[4] = {0.f, 0.f, 0.f, 0.f};
@@ -728,7 +739,7 @@ __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) t[j][i] = (float)p[(s + j) * split_stride + i];
+      for (int i = 0; i < 4; ++i) t[j][i] = load_acc<kCG>(p + (s + j) * split_stride + i);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -740,7 +751,7 @@ __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t
     for (int j = 0; j < 7; ++j)
       if (s + j < splits)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) t[j][i] = (float)p[(s + j) * split_stride + i];
+        for (int i = 0; i < 4; ++i) t[j][i] = load_acc<kCG>(p + (s + j) * split_stride + i);
 #pragma unroll
     for (int j = 0; j < 7; ++j)
       if (s + j < splits)
@@ -887,6 +898,188 @@ __global__ void __launch_bounds__(256) moe_tail_kernel(
   *reinterpret_cast<float4*>(out + (size_t)t * h + c0 + lane * 4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
 }
 
+// ---- MoE decode in two launches (one source per (token, expert) pair, one row each) -----------------------
+// The fused forward above is six launches at m = 1 (table, input rotation, gate/up GEMM, moe_mid, down GEMM,
+// moe_tail) and its glue cost ~11 us of kernel time plus the gaps between them (benchmarks/results/l2-ab-h200.json).
+// Here the gate/up launch finds each pair's expert from the routing itself, rotates its block's K slice of x into
+// shared memory (128-element blocks: a slice of whole blocks is local), runs the GEMM, and the last block to finish
+// a (pair, 128 columns) does moe_mid's work for it; the down launch (programmatic dependent: scheduled while the
+// first drains, waiting for it only before reading its output) runs the GEMM and the last block per (token,
+// 128 columns) does moe_tail's work, writing fp32, fp16 or bf16. Every rounding and summation order of the fused
+// forward is kept: with the same splits the result is bit-identical. Per-launch counters (zero between calls, each
+// reset by the block that completes it) find the last block.
+struct MoeDecodeArgs {  // by value: a captured launch keeps its own copy
+  const void* x;                                   // fp16 or bf16 [tokens, hidden]
+  const GroupSource* gate, *up, *down;             // bank rows, one per local expert
+  const void* ids;                                 // [tokens * topk] int32/int64; below 0: not this rank's
+  const float* w;                                  // [tokens * topk]
+  float* partial_gu;                               // [pairs, 2, gu_splits, inter]
+  half* xh_dn;                                     // [pairs, inter]: act(gate) * up, rotated for down
+  float* partial_dn;                               // [pairs, dn_splits, hidden]
+  int* counters;                                   // [pairs * inter / 128 + tokens * hidden / 128], zero
+  void* out;                                       // [tokens, hidden] fp32 / fp16 / bf16 (out_kind 0 / 1 / 2)
+  int ids_bytes, pairs, topk, hidden, inter, gu_splits, dn_splits, gelu, out_kind;
+};
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Row 0 of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), computed by the block's warps one 128-block
+// each, laid out as stage_x lays out one row; returns the lane's ldmatrix address (MT = 1).
+template <typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated(const T* __restrict__ x, const half* __restrict__ suh, int kt0,
+                                                    int kt1, uint4* __restrict__ xs) {
+  half* row = reinterpret_cast<half*>(xs);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int b = kt0 / 8 + warp; b < kt1 / 8; b += warps) {
+    half v[4];
+    load4_fp16(x + b * 128 + lane * 4, v);
+    had_in_values(v, suh + b * 128, row + (b * 8 - kt0) * 16, lane);
+  }
+  __syncthreads();
+  return (uint32_t)__cvta_generic_to_shared(xs + ((lane >> 3) & 1));
+}
+
+// One block's arrival at a counter that `total` blocks reach; true (in every thread) for the last one, which has
+// reset the counter and may read what the others wrote (through L2: __ldcg).
+__device__ __forceinline__ bool last_arrival(int* counter, int total, int* flag) {
+  __syncthreads();  // every warp's partials are written
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int done = atomicAdd(counter, 1) == total - 1;
+    if (done) *counter = 0;
+    *flag = done;
+  }
+  __syncthreads();
+  const bool done = *flag;
+  if (done) __threadfence();
+  return done;
+}
+
+// Block (pair p, 64 columns jb, role, split): grid pairs * (inter / 64) * 2 * gu_splits, kWarps warps.
+template <int K2, int CB, typename T>
+__global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArgs a) {
+  extern __shared__ uint4 xs[];
+  __shared__ uint2 up_vals[32];
+  __shared__ int flag;
+  pdl_launch_dependents();  // the down launch may be scheduled once every block here has started
+  const int S = a.gu_splits, n64 = a.inter / 64;
+  int b = blockIdx.x;
+  const int split = b % S;
+  b /= S;
+  const int role = b & 1;
+  b >>= 1;
+  const int jb = b % n64, p = b / n64;
+  const long long e = routed_id(a.ids, a.ids_bytes, p);
+  if (e < 0) return;  // the whole block: another rank's expert (weighed 0, never read)
+  const GroupSource& src = (role ? a.up : a.gate)[e];
+  const int kt = a.hidden / 16, nt = a.inter / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const T* xrow = reinterpret_cast<const T*>(a.x) + (size_t)(p / a.topk) * a.hidden;
+  auto stage = [&](int kt0, int kt1) { return stage_x_rotated(xrow, src.suh, kt0, kt1, xs); };
+  gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, a.partial_gu + (size_t)(p * 2 + role) * S * a.inter, 1, kt,
+                                     nt, S, split * nt + jb * kWarps + warp, xs, stage);
+  const int j = jb >> 1, c0 = j * 128;
+  if (!last_arrival(a.counters + (size_t)p * (a.inter / 128) + j, 4 * S, &flag)) return;
+  // moe_mid for (p, j): gate's and up's output rotations in warps 0 and 1, then act * up and down's input rotation
+  half v[4];
+  if (warp < 2) {
+    const GroupSource& r = (warp ? a.up : a.gate)[e];
+    had_out_values<float, true>(a.partial_gu + ((size_t)(p * 2 + warp) * S) * a.inter + c0, a.inter, S, r.svh + c0,
+                                lane, v);
+    if (warp == 1) up_vals[lane] = *reinterpret_cast<const uint2*>(v);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const uint2 uw = up_vals[lane];
+  const half* uv = reinterpret_cast<const half*>(&uw);
+  half act[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) act[i] = __float2half_rn(moe_act(__half2float(v[i]), a.gelu) * __half2float(uv[i]));
+  had_in_values(act, a.down[e].suh + c0, a.xh_dn + (size_t)p * a.inter + c0, lane);
+}
+
+// Block (pair p, 64 columns jb of the hidden size, split): grid pairs * (hidden / 64) * dn_splits, kWarps warps.
+template <int K2, int CB>
+__global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArgs a) {
+  extern __shared__ uint4 xs[];
+  __shared__ uint2 ys[kMaxFusedTopk][32];
+  __shared__ int flag;
+  const int S = a.dn_splits, n64 = a.hidden / 64;
+  int b = blockIdx.x;
+  const int split = b % S;
+  b /= S;
+  const int jb = b % n64, p = b / n64;
+  const long long e = routed_id(a.ids, a.ids_bytes, p);
+  const int t = p / a.topk, c0 = (jb >> 1) * 128;
+  int valid = 0;
+  for (int q = 0; q < a.topk; ++q) valid += routed_id(a.ids, a.ids_bytes, (long long)t * a.topk + q) >= 0;
+  if (e < 0) {  // another rank's expert; a token with none of this rank's gets a zero row from its first pair
+    if (valid == 0 && p % a.topk == 0 && split == 0 && threadIdx.x < 64) {
+      const size_t at = (size_t)t * a.hidden + jb * 64 + threadIdx.x;
+      if (a.out_kind == 0) reinterpret_cast<float*>(a.out)[at] = 0.f;
+      else if (a.out_kind == 1) reinterpret_cast<half*>(a.out)[at] = __float2half_rn(0.f);
+      else reinterpret_cast<__nv_bfloat16*>(a.out)[at] = __float2bfloat16_rn(0.f);
+    }
+    return;
+  }
+  const GroupSource& src = a.down[e];
+  const int kt = a.inter / 16, nt = a.hidden / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const half* xrow = a.xh_dn + (size_t)p * a.inter;
+  auto stage = [&](int kt0, int kt1) {  // after the gate/up launch has finished (its first loads are in flight)
+    pdl_wait();
+    const int row16 = (kt1 - kt0) * 2;
+    for (int i = threadIdx.x; i < row16; i += blockDim.x)
+      xs[i] = __ldcg(reinterpret_cast<const uint4*>(xrow + kt0 * 16) + i);
+    __syncthreads();
+    return (uint32_t)__cvta_generic_to_shared(xs + ((lane >> 3) & 1));
+  };
+  gemm_warp<K2, CB, 1, 4, true>(xrow, src.tiles, a.partial_dn + (size_t)p * S * a.hidden, 1, kt, nt, S,
+                                     split * nt + jb * kWarps + warp, xs, stage);
+  int* counter = a.counters + (size_t)a.pairs * (a.inter / 128) + (size_t)t * (a.hidden / 128) + (jb >> 1);
+  if (!last_arrival(counter, valid * 2 * S, &flag)) return;
+  // moe_tail for (t, c0): the top-k rows' output rotations in parallel warps, summed in top-k order by warp 0
+  for (int q = warp; q < a.topk; q += kWarps) {
+    const long long pq = (long long)t * a.topk + q;
+    const long long eq = routed_id(a.ids, a.ids_bytes, pq);
+    if (eq < 0) continue;
+    half y[4];
+    had_out_values<float, true>(a.partial_dn + (size_t)pq * S * a.hidden + c0, a.hidden, S, a.down[eq].svh + c0,
+                                lane, y);
+    ys[q][lane] = *reinterpret_cast<const uint2*>(y);
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int q = 0; q < a.topk; ++q) {
+    const long long pq = (long long)t * a.topk + q;
+    if (routed_id(a.ids, a.ids_bytes, pq) < 0) continue;
+    const uint2 yw = ys[q][lane];
+    const half* y = reinterpret_cast<const half*>(&yw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += a.w[pq] * __half2float(y[i]);
+  }
+  const size_t at = (size_t)t * a.hidden + c0 + lane * 4;
+  if (a.out_kind == 0) {
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(a.out) + at) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  } else if (a.out_kind == 1) {
+    half2* o = reinterpret_cast<half2*>(reinterpret_cast<half*>(a.out) + at);
+    o[0] = __floats2half2_rn(acc[0], acc[1]);
+    o[1] = __floats2half2_rn(acc[2], acc[3]);
+  } else {
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(a.out) + at);
+    o[0] = __floats2bfloat162_rn(acc[0], acc[1]);
+    o[1] = __floats2bfloat162_rn(acc[2], acc[3]);
+  }
+}
+
 // ---- dispatch ----------------------------------------------------------------------------------
 
 constexpr int kDepth = 4;
@@ -977,6 +1170,39 @@ int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int n
   reconstruct_kernel<K2, CB><<<(tiles + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(trellis, out, kt, nt, tn0,
                                                                                         tn_count, ld);
   return (int)cudaGetLastError();
+}
+
+// The decode MoE's launches: x slices of `slice` tiles (one row + the 16-byte skew) in dynamic shared memory;
+// the down launch as a programmatic dependent of the gate/up one when `pdl`.
+template <typename Kernel>
+int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t stream, const MoeDecodeArgs& a) {
+  const int smem = slice * 32 + 16;
+  if (smem > kMaxXsSmem) return -3;
+  if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = pdl ? attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&config, kernel, a);
+}
+
+template <int K2, int CB>
+int launch_variant_decode_gu(const MoeDecodeArgs& a, int x_bf16, cudaStream_t stream) {
+  const int blocks = a.pairs * (a.inter / 64) * 2 * a.gu_splits, slice = a.hidden / 16 / a.gu_splits;
+  if (x_bf16) return launch_decode(moe_decode_gu_kernel<K2, CB, __nv_bfloat16>, blocks, slice, false, stream, a);
+  return launch_decode(moe_decode_gu_kernel<K2, CB, half>, blocks, slice, false, stream, a);
+}
+
+template <int K2, int CB>
+int launch_variant_decode_dn(const MoeDecodeArgs& a, int pdl, cudaStream_t stream) {
+  const int blocks = a.pairs * (a.hidden / 64) * a.dn_splits, slice = a.inter / 16 / a.dn_splits;
+  return launch_decode(moe_decode_dn_kernel<K2, CB>, blocks, slice, pdl != 0, stream, a);
 }
 
 // Calls F<K2, CB>::run(args...) for the supported (K2, codebook) pairs: whole bits 1..8 in every
@@ -1145,6 +1371,49 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
   return (int)cudaGetLastError();
 }
 
+// A whole MoE forward for one source per (token, expert) pair in two launches (see moe_decode_gu_kernel): x fp16
+// or bf16 [tokens, hidden]; gate/up/down: bank rows (GroupSource layout, one per local expert); splits must cut K
+// into whole 128-blocks (hidden / 128 and inter / 128 divisible by them). Scratch: partial_gu fp32 [pairs * 2 *
+// gu_splits * inter], xh_dn fp16 [pairs * inter], partial_dn fp32 [pairs * dn_splits * hidden], counters int32
+// [counters_len >= pairs * inter / 128 + tokens * hidden / 128], zero on entry and left zero. out: fp32, fp16 or bf16
+// (out_kind 0 / 1 / 2) [tokens, hidden].
+int exl3_moe_decode(const void* x, int x_bf16, const void* gate_rows, const void* up_rows, const void* down_rows,
+                    const void* ids, int ids_bytes, const void* w, int tokens, int topk, int hidden, int inter,
+                    int gu_k2, int gu_codebook, int dn_k2, int dn_codebook, int gu_splits, int dn_splits,
+                    void* partial_gu, void* xh_dn, void* partial_dn, void* counters, long long counters_len,
+                    int gelu, void* out, int out_kind, int pdl, void* stream) {
+  if (tokens <= 0 || topk <= 0 || topk > kMaxFusedTopk || hidden <= 0 || hidden % 128 || inter <= 0 ||
+      inter % 128 || gu_splits <= 0 || (hidden / 128) % gu_splits || dn_splits <= 0 || (inter / 128) % dn_splits ||
+      (ids_bytes != 4 && ids_bytes != 8) || out_kind < 0 || out_kind > 2 ||
+      counters_len < (long long)tokens * topk * (inter / 128) + (long long)tokens * (hidden / 128))
+    return -3;
+  MoeDecodeArgs a;
+  a.x = x;
+  a.gate = (const GroupSource*)gate_rows;
+  a.up = (const GroupSource*)up_rows;
+  a.down = (const GroupSource*)down_rows;
+  a.ids = ids;
+  a.w = (const float*)w;
+  a.partial_gu = (float*)partial_gu;
+  a.xh_dn = (half*)xh_dn;
+  a.partial_dn = (float*)partial_dn;
+  a.counters = (int*)counters;
+  a.out = out;
+  a.ids_bytes = ids_bytes;
+  a.pairs = tokens * topk;
+  a.topk = topk;
+  a.hidden = hidden;
+  a.inter = inter;
+  a.gu_splits = gu_splits;
+  a.dn_splits = dn_splits;
+  a.gelu = gelu;
+  a.out_kind = out_kind;
+  auto s = (cudaStream_t)stream;
+  const int code = [&]() -> int { EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_decode_gu, (a, x_bf16, s)) }();
+  if (code != 0) return code;
+  EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_decode_dn, (a, pdl, s))
+}
+
 // Every bank's rows of routed group tables in one launch (table: int64 [banks * pairs, 8], bank by bank; the banks
 // of several groups, e.g. gate/up then down, each group's offsets starting at 0). `params` is host memory, 8 int64
 // per bank: rows pointer, item0, col0, base0, items, cols, part, x_row_div. `on_host` = 1 runs the same code on
@@ -1227,7 +1496,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 10; }
+int exl3_abi_version(void) { return 11; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
