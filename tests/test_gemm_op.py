@@ -197,11 +197,11 @@ def test_moe_forward_choice_by_rows(monkeypatch):
     from sglang_exl3.layers import moe as moe_layer
     from sglang_exl3.layers.moe_kernels import dense_min_rows
 
-    ran = []
-    monkeypatch.setattr(moe_layer, "routed_forward", lambda *a, **k: ran.append("routed"))
+    ran, out_dtypes = [], []
+    monkeypatch.setattr(moe_layer, "routed_forward", lambda *a, **k: (ran.append("routed"), out_dtypes.append(a[5])))
     monkeypatch.setattr(moe_layer, "dense_forward", lambda *a, **k: ran.append("dense"))
     method = moe_layer.Exl3MoEMethod({}, "x.experts")
-    method.moe_runner_config = SimpleNamespace(activation="silu", top_k=8)
+    method.moe_runner_config = SimpleNamespace(activation="silu", top_k=8, routed_scaling_factor=None)
     monkeypatch.setattr(method, "_all_experts", lambda *a: ran.append("all"))
     layer = SimpleNamespace(exl3_tiers=SimpleNamespace(num_experts=128), intermediate_size_per_partition=128,
                             hidden_size=256, exl3_moe_slab={})
@@ -211,6 +211,12 @@ def test_moe_forward_choice_by_rows(monkeypatch):
     layer.exl3_tiers = None
     method._capturable(layer, torch.zeros(1, 256, dtype=torch.float16), None, None)
     assert ran == ["routed", "routed", "dense", "dense", "all"]
+    # the routed forward rounds into x's dtype itself unless a routed scaling follows in fp32
+    assert out_dtypes == [torch.float16, torch.float16]
+    method.moe_runner_config.routed_scaling_factor = 2.5
+    layer.exl3_tiers = SimpleNamespace(num_experts=128)
+    method._capturable(layer, torch.zeros(1, 256, dtype=torch.bfloat16), None, None)
+    assert out_dtypes[-1] == torch.float32
 
 
 def test_dense_crossover_scales_with_experts_over_topk():

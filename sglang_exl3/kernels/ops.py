@@ -1,7 +1,8 @@
 """Registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise graphs trace
 through them and CUDA graphs capture them: `torch.ops.exl3.gemm` (one EXL3 linear), `torch.ops.exl3.gemm_group`
-(same-input sources such as q/k/v run as one), and `torch.ops.exl3.moe_routed` / `moe_sorted` (MoE experts on
-their routed tokens only: one source per (token, expert) pair, or per tile of expert-sorted rows).
+(same-input sources such as q/k/v run as one), and `torch.ops.exl3.moe_routed` / `moe_decode` / `moe_sorted` (MoE
+experts on their routed tokens only: one source per (token, expert) pair in five or two launches, or per tile of
+expert-sorted rows).
 
 y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
 Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.
@@ -131,3 +132,25 @@ def _moe_fake(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_
 
 exl3_moe_routed.register_fake(_moe_fake)
 exl3_moe_sorted.register_fake(_moe_fake)
+
+MOE_DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # out_kind 0, 1, 2
+
+
+@torch.library.custom_op("exl3::moe_decode", mutates_args=())
+def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
+                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
+                    gelu: bool, counters: torch.Tensor, out_kind: int) -> torch.Tensor:
+    """moe_routed's result in two launches (cuda_trellis.moe_decode), in fp32, fp16 or bf16 (out_kind 0 / 1 / 2:
+    the fp32 result rounded, so a layer's cast back to the model's dtype is folded in). `counters` come from
+    cuda_trellis.decode_counters: zero before and after every call (the kernels reset what they count), so the
+    op mutates nothing that outlives it."""
+    from sglang_exl3.kernels.cuda_trellis import flat_routing_ids, moe_decode
+
+    gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)
+    return moe_decode(x, flat_routing_ids(topk_ids), topk_weights.reshape(-1).to(torch.float32), gate, up, down,
+                      topk_ids.shape[1], gelu, counters, out_dtype=MOE_DECODE_DTYPES[out_kind])
+
+
+@exl3_moe_decode.register_fake
+def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu, counters, out_kind):
+    return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=MOE_DECODE_DTYPES[out_kind])

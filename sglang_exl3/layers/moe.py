@@ -205,7 +205,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             return dense_forward(tiers, self._owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
                                  layer.hidden_size, x.to(torch.float16), topk_weights, topk_ids,
                                  self.moe_runner_config)
-        return routed_forward(tiers, x, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu")
+        # with no routed scaling to apply in fp32 afterwards, the decode forward may round into x's dtype itself
+        fold = self.moe_runner_config.routed_scaling_factor is None
+        return routed_forward(tiers, x, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu",
+                              x.dtype if fold else torch.float32)
 
     def _all_experts(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Capturable: every local expert on every row, weighted (0 where the expert is not routed)."""

@@ -3,10 +3,10 @@
 Experts are grouped into tiers of one shape, bitrate and codebook (one tier unless the checkpoint mixes
 bitrates). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
-- routed: `torch.ops.exl3.moe_routed` per tier, one m = 1 source per (token, expert) pair (decode), or from 1.5
-  pairs per expert `torch.ops.exl3.moe_sorted` (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64
-  rows, one source per tile); both build their tables on the device and run the fused five-launch forward; pairs
-  routed to another tier (or another EP rank) carry id -1 and weigh 0.
+- routed: `torch.ops.exl3.moe_decode` per tier, one m = 1 source per (token, expert) pair (decode) in two launches
+  that find each pair's expert on the device, or from 1.5 pairs per expert `torch.ops.exl3.moe_sorted`
+  (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64 rows, one source per tile: a table launch and
+  the fused five-launch forward); pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
 - dense (from dense_min_rows(experts, top-k) rows): every expert decoded into the model's fp16 slab in
   fused_experts' layout (five launches per tier and role), tier by tier; ids remapped to slab positions;
   SGLang's Triton fused_experts groups the tokens by expert.
@@ -43,6 +43,7 @@ class ExpertTier:
     experts: list[int]  # local expert ids, ascending
     dense: tuple  # per role: (stacked tiles, suh [E_t, K], svh [E_t * N], codebook, ones [K])
     banks: tuple  # per role: Exl3ExpertBank
+    counters: torch.Tensor | None = None  # the decode forward's arrival counters (zero between calls)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
     for group in groups:
         sub = [experts[e] for e in group]
         dense = stack_experts(sub)  # first: the banks point at the stacked weights
-        tiers.append(ExpertTier(group, dense, expert_banks(sub)))
+        tiers.append(ExpertTier(group, dense, expert_banks(sub), decode_counters_for(sub)))
     if len(tiers) == 1:
         return ExpertTiers(tiers)
     device = experts[0]["w1"].trellis.device
@@ -143,6 +144,17 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
     return ExpertTiers(tiers, tier_of.to(device), local_of.to(device), position.to(device))
 
 
+def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
+    """Counters for the decode forward of a tier: per-pair sources run below 1.5 pairs per expert (sorted_rows),
+    so fewer than 1.5 E pairs (and tokens) ever reach it."""
+    from sglang_exl3.kernels.cuda_trellis import decode_counters
+
+    gate = experts[0]["w1"]
+    bound = 3 * len(experts) // 2 + 1
+    return decode_counters(bound, bound, gate.trellis.shape[1] * 16, gate.trellis.shape[0] * 16,
+                           gate.trellis.device)
+
+
 def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     """Whether routed rows go to expert-sorted tiles (an expert read once per tile) rather than one source per
     (token, expert) pair. Measured on the H200 (Qwen3-30B-A3B layer, 4 bits, fused forwards): pairs 261 µs vs
@@ -152,22 +164,33 @@ def sorted_rows(rows: int, topk: int, experts: int) -> bool:
 
 
 def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   gelu: bool) -> torch.Tensor:
-    """fp32 [m, H]: the routed experts only, tier by tier (per pair, or over expert-sorted tiles). The fused
-    forward reads fp16 or bf16 x itself (rounding bf16 to fp16 as a cast would: one launch fewer at decode); other
-    dtypes, and the staged forward above MAX_FUSED_TOPK, get fp16."""
+                   gelu: bool, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[m, H] in fp32, or in `out_dtype` where the forward can round into it itself (one tier on the two-launch
+    decode forward): the routed experts only, tier by tier (per pair, or over expert-sorted tiles). The fused
+    forwards read fp16 or bf16 x themselves (rounding bf16 to fp16 as a cast would: one launch fewer at decode);
+    other dtypes, and the staged forward above MAX_FUSED_TOPK, get fp16."""
     from sglang_exl3.kernels.cuda_trellis import MAX_FUSED_TOPK
+    from sglang_exl3.kernels.ops import MOE_DECODE_DTYPES
 
-    if x.dtype != torch.float16 and (x.dtype != torch.bfloat16 or topk_ids.shape[1] > MAX_FUSED_TOPK):
+    topk = topk_ids.shape[1]
+    if x.dtype != torch.float16 and (x.dtype != torch.bfloat16 or topk > MAX_FUSED_TOPK):
         x = x.to(torch.float16)
     x = x.contiguous()
     out = None
     for t, tier in enumerate(tiers.tiers):
         gate, up, down = tier.banks
-        op = torch.ops.exl3.moe_sorted if sorted_rows(x.shape[0], topk_ids.shape[1], len(tier.experts)) \
-            else torch.ops.exl3.moe_routed
-        y = op(x, tiers.ids_in_tier(topk_ids, t), topk_weights, gate.rows, up.rows, down.rows,
-               gate.meta, down.meta, gelu)
+        ids = tiers.ids_in_tier(topk_ids, t)
+        if sorted_rows(x.shape[0], topk, len(tier.experts)):
+            y = torch.ops.exl3.moe_sorted(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, down.meta,
+                                          gelu)
+        elif topk <= MAX_FUSED_TOPK and tier.counters is not None:
+            kind = MOE_DECODE_DTYPES.index(out_dtype) if len(tiers.tiers) == 1 and out_dtype in MOE_DECODE_DTYPES \
+                else 0
+            y = torch.ops.exl3.moe_decode(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta,
+                                          down.meta, gelu, tier.counters, kind)
+        else:
+            y = torch.ops.exl3.moe_routed(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, down.meta,
+                                          gelu)
         out = y if out is None else out + y
     return out
 
