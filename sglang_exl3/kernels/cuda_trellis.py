@@ -371,17 +371,18 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     """y fp16 [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 x [m, K] and prepare()d weights.
     `path`: 'fused', 'reconstruct' (W' = W_hat H r diag(svh) per column slice, then had_in(x) @ W' in cuBLAS),
     'reconstruct_staged' (W_hat, cuBLAS, then the output rotation over m x N) or None (fused up to `fused_max_m`
-    rows, else 'reconstruct')."""
+    rows, else 'reconstruct_staged': on the H200 the rotated reconstruct measured 168 vs 107 µs at m = 256 and
+    0.94-1.06x at m = 2048, benchmarks/results/prefill-h200.md)."""
     m = x.shape[0]
     xh = had_in(x.contiguous(), suh)
     xs = None
     if path is None:
-        path = "fused" if m <= fused_max_m else "reconstruct"
+        path = "fused" if m <= fused_max_m else "reconstruct_staged"
         if path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
             splits = auto_xs_splits(m, tiles.shape[1], tiles.shape[0], codebook, x.device)
             xs = splits is not None
             if m > 32 and not xs:
-                path = "reconstruct"
+                path = "reconstruct_staged"
     if path == "fused":
         return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs), svh)
     if path not in ("reconstruct", "reconstruct_staged"):
