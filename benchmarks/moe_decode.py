@@ -1,9 +1,8 @@
 """The decode MoE (two launches: `cuda_trellis.moe_decode`) against the five-launch fused forward (`routed_moe`), on
 a Qwen3-30B-A3B-shaped layer (hidden 2048, 128 experts of 768, top-8), side by side in one run: CUDA-graph replay
 medians over 8 routings, bf16 x in and bf16 out as the layer uses them (the fused forward timed with its output
-cast). Also the split counts of both launches swept at each m (sNxM; wNxM with each warp's trellis range staged in
-shared memory first), bit-identity with the fused forward at its banks' splits, and the time per kernel at m = 1
-(torch profiler, eager).
+cast). Also the split counts of both launches swept at each m, bit-identity with the fused forward at its banks'
+splits, and the time per kernel at m = 1 (torch profiler, eager).
 
   python benchmarks/moe_decode.py [--ms 1,2,4,8] [--bits 4] [--codebooks mcg,mul1] [--no-sweep]
 
@@ -77,11 +76,10 @@ def bench(cb: Codebook, bits: int, ms: list[int], sweep: bool) -> tuple[list[dic
             w, ids = routes[i % ROUTINGS]
             return routed_moe(xs[i % ROUTINGS], ids, w, gate, up, down, False).bfloat16()
 
-        def decode(i, gu=None, dn=None, pdl=True, out=torch.bfloat16, sw=False, xs=xs, routes=routes,
-                   counters=counters):
+        def decode(i, gu=None, dn=None, pdl=True, out=torch.bfloat16, xs=xs, routes=routes, counters=counters):
             w, ids = routes[i % ROUTINGS]
             return ck.moe_decode(xs[i % ROUTINGS], ids.reshape(-1), w.reshape(-1), gate, up, down, TOPK, False,
-                                 counters, gu, dn, out_dtype=out, pdl=pdl, stage_w=sw)
+                                 counters, gu, dn, out_dtype=out, pdl=pdl)
 
         want = routed_moe(xs[0], routes[0][1], routes[0][0], gate, up, down, False)
         same = decode(0, gate.splits, down.splits, out=torch.float32)
@@ -91,26 +89,19 @@ def bench(cb: Codebook, bits: int, ms: list[int], sweep: bool) -> tuple[list[dic
                "bit_identical": bool(torch.equal(same, want)),
                "fused_us": graph_us(fused, ROUTINGS, calls=ROUTINGS),
                "decode_us": graph_us(decode, ROUTINGS, calls=ROUTINGS),
-               "decode_no_pdl_us": graph_us(lambda i: decode(i, pdl=False), ROUTINGS, calls=ROUTINGS),
-               "decode_stage_w_us": graph_us(lambda i: decode(i, sw=True), ROUTINGS, calls=ROUTINGS),
-               "stage_w_identical": bool(torch.equal(decode(0, gate.splits, down.splits, out=torch.float32,
-                                                            sw=True), want))}
+               "decode_no_pdl_us": graph_us(lambda i: decode(i, pdl=False), ROUTINGS, calls=ROUTINGS)}
         row["speedup"] = row["fused_us"] / row["decode_us"]
         if sweep:
             best = None
-            for sw in (False, True):
-                for gu in GU_SPLITS:
-                    for dn in DN_SPLITS:
-                        us = graph_us(lambda i, gu=gu, dn=dn, sw=sw: decode(i, gu, dn, sw=sw), ROUTINGS,
-                                      calls=ROUTINGS)
-                        name = f"{'w' if sw else 's'}{gu}x{dn}"
-                        row[f"{name}_us"] = us
-                        if best is None or us < best[0]:
-                            best = (us, name)
+            for gu in GU_SPLITS:
+                for dn in DN_SPLITS:
+                    us = graph_us(lambda i, gu=gu, dn=dn: decode(i, gu, dn), ROUTINGS, calls=ROUTINGS)
+                    row[f"s{gu}x{dn}_us"] = us
+                    if best is None or us < best[0]:
+                        best = (us, f"{gu}x{dn}")
             row["best_us"], row["best_splits"] = best
         if m == 1:
             breakdowns.append({"codebook": cb.label, "bits": bits, "decode": kernel_breakdown(decode),
-                               "decode_stage_w": kernel_breakdown(lambda i: decode(i, sw=True)),
                                "fused": kernel_breakdown(fused)})
             print(breakdowns[-1], flush=True)
         rows.append(row)
@@ -135,8 +126,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     head = header(["python"] + sys.argv)
     head["kernel_breakdown_m1"] = breakdowns
-    cols = ["m", "bits", "codebook", "fused_us", "decode_us", "speedup", "decode_no_pdl_us", "decode_stage_w_us",
-            "gu_splits", "dn_splits", "best_us", "best_splits", "bit_identical", "stage_w_identical"]
+    cols = ["m", "bits", "codebook", "fused_us", "decode_us", "speedup", "decode_no_pdl_us", "gu_splits",
+            "dn_splits", "best_us", "best_splits", "bit_identical"]
     write_results("moe-decode", head, rows, cols)
     return 0
 

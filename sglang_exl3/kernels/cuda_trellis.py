@@ -174,7 +174,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
                                    i, i, p, p]
     lib.exl3_moe_decode.argtypes = [p, i, p, p, p, p, i, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p,
-                                    ctypes.c_longlong, i, p, i, i, i, p]
+                                    ctypes.c_longlong, i, p, i, i, p]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -763,7 +763,6 @@ def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Ex
 
 DECODE_WAVE_WARPS = 32  # resident warps per SM that a decode launch's splits aim to fill once
 DECODE_OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DECODE_STAGE_W = False  # each warp's trellis range through shared memory first (A/B: benchmarks/moe_decode.py)
 
 
 def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device) -> int:
@@ -785,8 +784,7 @@ def decode_counters(max_pairs: int, max_tokens: int, hidden: int, inter: int, de
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Exl3ExpertBank, up: Exl3ExpertBank,
                down: Exl3ExpertBank, topk: int, gelu: bool, counters: torch.Tensor, gu_splits: int | None = None,
-               dn_splits: int | None = None, out_dtype: torch.dtype = torch.float32, pdl: bool = True,
-               stage_w: bool = DECODE_STAGE_W) -> torch.Tensor:
+               dn_splits: int | None = None, out_dtype: torch.dtype = torch.float32, pdl: bool = True) -> torch.Tensor:
     """[tokens, H] in out_dtype: the MoE forward for one source per (token, expert) pair in two launches (gate/up
     GEMM + the mid rotations; down GEMM + the tail), the expert of each pair read from `ids` on the device. x fp16
     or bf16 [tokens, H]; ids int32/int64 and fp32 weights [tokens * top-k] (ids below 0: not this rank's, weight
@@ -821,7 +819,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
         ids.data_ptr(), _ids_bytes(ids), weights.data_ptr(), tokens, topk, hidden, inter, gate.k2, gate.codebook,
         down.k2, down.codebook, gu, dn, partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
         counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_KINDS[out_dtype], int(pdl),
-        int(stage_w), _stream(x)), "moe decode")
+        _stream(x)), "moe decode")
     return out
 
 

@@ -357,21 +357,10 @@ __device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, 
 
 // With XS, `stage(kt0, kt1)` fills the block's x slice and returns the lane's ldmatrix address (default: stage_x
 // from xh); it runs after the first group's trellis loads are issued.
-// kStageW: the warp's whole trellis range is first copied into its shared-memory area `ws` (cp.async, two halves,
-// every byte in flight at once) and the tiles are read from there: one memory latency per half instead of one per
-// group of DEPTH tiles (short K ranges in one wave, as the decode MoE runs them).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-template <int K2, int CB, int MT, int DEPTH, bool XS = false, bool kStageW = false, typename Stage = int>
+template <int K2, int CB, int MT, int DEPTH, bool XS = false, typename Stage = int>
 __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
                                           float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
-                                          int item, uint4* __restrict__ xs = nullptr, Stage stage = 0,
-                                          uint32_t* ws = nullptr) {
+                                          int item, uint4* __restrict__ xs = nullptr, Stage stage = 0) {
   constexpr int L = LaneBits<K2>::kLoad;
   const int lane = threadIdx.x & 31;
   const int tn = item % n_tiles, split = item / n_tiles;
@@ -385,20 +374,6 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   const uint32_t* lw[L];
 #pragma unroll
   for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
-  const int half_tiles = (kt1 - kt0) / 2;
-  int tile_at = 0;
-  if constexpr (kStageW) {
-    const uint32_t* src = trellis + ((size_t)tn * k_tiles + kt0) * W;
-    const int words = (kt1 - kt0) * W, half_words = half_tiles * W;  // multiples of 4 (W = 4 K2)
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(ws);
-    for (int i = lane * 4; i < half_words; i += 128) cp_async16(base + i * 4, src + i);
-    cp_async_commit();
-    for (int i = half_words + lane * 4; i < words; i += 128) cp_async16(base + i * 4, src + i);
-    cp_async_commit();
-#pragma unroll
-    for (int i = 0; i < L; ++i) lw[i] = ws + bits.idx[i];
-  }
-  bool waited_all = false;
 
   // x rows of this lane for each 8-row group (B fragment: row g of the group, k = 2tq + {0,1} + 8{0,1})
   const uint32_t* xp[MT];
@@ -419,25 +394,10 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   uint32_t xs_addr = 0;
   constexpr int XB = kPrefetchX ? MT : 1;
   auto load_tiles = [&](auto& buf, auto& xb, int count) {  // the next `count` tiles
-    if constexpr (kStageW) {  // the first half's copies before its first tile, the rest before the second half's
-      if (!waited_all) {
-        if (tile_at + count > half_tiles) {
-          cp_async_wait<0>();
-          waited_all = true;
-        } else if (tile_at == 0) {
-          cp_async_wait<1>();
-        }
-        __syncwarp();
-      }
-      tile_at += count;
-    }
 #pragma unroll
     for (int d = 0; d < count; ++d) {
 #pragma unroll
-      for (int i = 0; i < L; ++i) {
-        if constexpr (kStageW) buf[d][i] = lw[i][d * W];
-        else buf[d][i] = __ldg(lw[i] + d * W);
-      }
+      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
       if constexpr (kPrefetchX) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -499,18 +459,10 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
   const int groups = (kt1 - kt0) / DEPTH;
   uint32_t buf_a[DEPTH][L], buf_b[DEPTH][L];
   uint32_t xb_a[DEPTH][XB][2], xb_b[DEPTH][XB][2];
-  auto stage_xs = [&]() {
-    if constexpr (XS) {
-      if constexpr (std::is_same_v<Stage, int>) xs_addr = stage_x<MT>(xh, m, K, kt0, kt1, xs);
-      else xs_addr = stage(kt0, kt1);
-    }
-  };
-  if constexpr (kStageW) {  // x while the trellis copies are in flight; the first group waits for them
-    stage_xs();
-    if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
-  } else {  // x while the first group's words are in flight
-    if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
-    stage_xs();
+  if (groups > 0) load_tiles(buf_a, xb_a, DEPTH);
+  if constexpr (XS) {  // while the first group's words are in flight
+    if constexpr (std::is_same_v<Stage, int>) xs_addr = stage_x<MT>(xh, m, K, kt0, kt1, xs);
+    else xs_addr = stage(kt0, kt1);
   }
   for (int grp = 0; grp < groups; grp += 2) {
     if (grp + 1 < groups) load_tiles(buf_b, xb_b, DEPTH);
@@ -967,7 +919,6 @@ struct MoeDecodeArgs {  // by value: a captured launch keeps its own copy
   int* counters;                                   // [pairs * inter / 128 + tokens * hidden / 128], zero
   void* out;                                       // [tokens, hidden] fp32 / fp16 / bf16 (out_kind 0 / 1 / 2)
   int ids_bytes, pairs, topk, hidden, inter, gu_splits, dn_splits, gelu, out_kind;
-  int stage_w;                                     // 1: each warp's trellis range through shared memory first
 };
 
 __device__ __forceinline__ void pdl_wait() {
@@ -1014,13 +965,7 @@ __device__ __forceinline__ bool last_arrival(int* counter, int total, int* flag)
 }
 
 // Block (pair p, 64 columns jb, role, split): grid pairs * (inter / 64) * 2 * gu_splits, kWarps warps.
-// The warp's trellis area (kStageW) after the block's x slice: slice tiles of W words per warp.
-__device__ __forceinline__ uint32_t* decode_ws(uint4* xs, int slice, int words_per_tile) {
-  const int x16 = (slice * 32 + 16 + 15) / 16;
-  return reinterpret_cast<uint32_t*>(xs + x16) + (threadIdx.x >> 5) * slice * words_per_tile;
-}
-
-template <int K2, int CB, typename T, bool SW>
+template <int K2, int CB, typename T>
 __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArgs a) {
   extern __shared__ uint4 xs[];
   __shared__ uint2 up_vals[32];
@@ -1039,9 +984,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArg
   const int kt = a.hidden / 16, nt = a.inter / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* xrow = reinterpret_cast<const T*>(a.x) + (size_t)(p / a.topk) * a.hidden;
   auto stage = [&](int kt0, int kt1) { return stage_x_rotated(xrow, src.suh, kt0, kt1, xs); };
-  gemm_warp<K2, CB, 1, 4, true, SW>(nullptr, src.tiles, a.partial_gu + (size_t)(p * 2 + role) * S * a.inter, 1,
-                                         kt, nt, S, split * nt + jb * kWarps + warp, xs, stage,
-                                         decode_ws(xs, kt / S, words32(K2)));
+  gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, a.partial_gu + (size_t)(p * 2 + role) * S * a.inter, 1, kt,
+                                     nt, S, split * nt + jb * kWarps + warp, xs, stage);
   const int j = jb >> 1, c0 = j * 128;
   if (!last_arrival(a.counters + (size_t)p * (a.inter / 128) + j, 4 * S, &flag)) return;
   // moe_mid for (p, j): gate's and up's output rotations in warps 0 and 1, then act * up and down's input rotation
@@ -1063,7 +1007,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArg
 }
 
 // Block (pair p, 64 columns jb of the hidden size, split): grid pairs * (hidden / 64) * dn_splits, kWarps warps.
-template <int K2, int CB, bool SW>
+template <int K2, int CB>
 __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArgs a) {
   extern __shared__ uint4 xs[];
   __shared__ uint2 ys[kMaxFusedTopk][32];
@@ -1097,8 +1041,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArg
     __syncthreads();
     return (uint32_t)__cvta_generic_to_shared(xs + ((lane >> 3) & 1));
   };
-  gemm_warp<K2, CB, 1, 4, true, SW>(xrow, src.tiles, a.partial_dn + (size_t)p * S * a.hidden, 1, kt, nt, S,
-                                         split * nt + jb * kWarps + warp, xs, stage, decode_ws(xs, kt / S, words32(K2)));
+  gemm_warp<K2, CB, 1, 4, true>(xrow, src.tiles, a.partial_dn + (size_t)p * S * a.hidden, 1, kt, nt, S,
+                                     split * nt + jb * kWarps + warp, xs, stage);
   int* counter = a.counters + (size_t)a.pairs * (a.inter / 128) + (size_t)t * (a.hidden / 128) + (jb >> 1);
   if (!last_arrival(counter, valid * 2 * S, &flag)) return;
   // moe_tail for (t, c0): the top-k rows' output rotations in parallel warps, summed in top-k order by warp 0
@@ -1231,9 +1175,8 @@ int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int n
 // The decode MoE's launches: x slices of `slice` tiles (one row + the 16-byte skew) in dynamic shared memory;
 // the down launch as a programmatic dependent of the gate/up one when `pdl`.
 template <typename Kernel>
-int launch_decode(Kernel kernel, int blocks, int slice, int k2, bool pdl, cudaStream_t stream,
-                  const MoeDecodeArgs& a) {
-  const int smem = (slice * 32 + 16 + 15) / 16 * 16 + (a.stage_w ? kWarps * slice * words32(k2) * 4 : 0);
+int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t stream, const MoeDecodeArgs& a) {
+  const int smem = slice * 32 + 16;
   if (smem > kMaxXsSmem) return -3;
   if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
   cudaLaunchAttribute attr[1];
@@ -1252,21 +1195,14 @@ int launch_decode(Kernel kernel, int blocks, int slice, int k2, bool pdl, cudaSt
 template <int K2, int CB>
 int launch_variant_decode_gu(const MoeDecodeArgs& a, int x_bf16, cudaStream_t stream) {
   const int blocks = a.pairs * (a.inter / 64) * 2 * a.gu_splits, slice = a.hidden / 16 / a.gu_splits;
-  if (a.stage_w) {
-    if (x_bf16)
-      return launch_decode(moe_decode_gu_kernel<K2, CB, __nv_bfloat16, true>, blocks, slice, K2, false, stream, a);
-    return launch_decode(moe_decode_gu_kernel<K2, CB, half, true>, blocks, slice, K2, false, stream, a);
-  }
-  if (x_bf16)
-    return launch_decode(moe_decode_gu_kernel<K2, CB, __nv_bfloat16, false>, blocks, slice, K2, false, stream, a);
-  return launch_decode(moe_decode_gu_kernel<K2, CB, half, false>, blocks, slice, K2, false, stream, a);
+  if (x_bf16) return launch_decode(moe_decode_gu_kernel<K2, CB, __nv_bfloat16>, blocks, slice, false, stream, a);
+  return launch_decode(moe_decode_gu_kernel<K2, CB, half>, blocks, slice, false, stream, a);
 }
 
 template <int K2, int CB>
 int launch_variant_decode_dn(const MoeDecodeArgs& a, int pdl, cudaStream_t stream) {
   const int blocks = a.pairs * (a.hidden / 64) * a.dn_splits, slice = a.inter / 16 / a.dn_splits;
-  if (a.stage_w) return launch_decode(moe_decode_dn_kernel<K2, CB, true>, blocks, slice, K2, pdl != 0, stream, a);
-  return launch_decode(moe_decode_dn_kernel<K2, CB, false>, blocks, slice, K2, pdl != 0, stream, a);
+  return launch_decode(moe_decode_dn_kernel<K2, CB>, blocks, slice, pdl != 0, stream, a);
 }
 
 // Calls F<K2, CB>::run(args...) for the supported (K2, codebook) pairs: whole bits 1..8 in every
@@ -1445,7 +1381,7 @@ int exl3_moe_decode(const void* x, int x_bf16, const void* gate_rows, const void
                     const void* ids, int ids_bytes, const void* w, int tokens, int topk, int hidden, int inter,
                     int gu_k2, int gu_codebook, int dn_k2, int dn_codebook, int gu_splits, int dn_splits,
                     void* partial_gu, void* xh_dn, void* partial_dn, void* counters, long long counters_len,
-                    int gelu, void* out, int out_kind, int pdl, int stage_w, void* stream) {
+                    int gelu, void* out, int out_kind, int pdl, void* stream) {
   if (tokens <= 0 || topk <= 0 || topk > kMaxFusedTopk || hidden <= 0 || hidden % 128 || inter <= 0 ||
       inter % 128 || gu_splits <= 0 || (hidden / 128) % gu_splits || dn_splits <= 0 || (inter / 128) % dn_splits ||
       (ids_bytes != 4 && ids_bytes != 8) || out_kind < 0 || out_kind > 2 ||
@@ -1472,7 +1408,6 @@ int exl3_moe_decode(const void* x, int x_bf16, const void* gate_rows, const void
   a.dn_splits = dn_splits;
   a.gelu = gelu;
   a.out_kind = out_kind;
-  a.stage_w = stage_w != 0;
   auto s = (cudaStream_t)stream;
   const int code = [&]() -> int { EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_decode_gu, (a, x_bf16, s)) }();
   if (code != 0) return code;
