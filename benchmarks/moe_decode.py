@@ -84,7 +84,7 @@ def bench(cb: Codebook, bits: int, ms: list[int], sweep: bool) -> tuple[list[dic
         want = routed_moe(xs[0], routes[0][1], routes[0][0], gate, up, down, False)
         same = decode(0, gate.splits, down.splits, out=torch.float32)
         row = {"m": m, "bits": bits, "codebook": cb.label,
-               "gu_splits": ck.decode_splits(gate.k_tiles, gate.n_tiles, 2 * m * TOPK, xs[0].device),
+               "gu_splits": ck.decode_splits(gate.k_tiles, gate.n_tiles, 2 * m * TOPK, xs[0].device, least=2),
                "dn_splits": ck.decode_splits(down.k_tiles, down.n_tiles, m * TOPK, xs[0].device),
                "bit_identical": bool(torch.equal(same, want)),
                "fused_us": graph_us(fused, ROUTINGS, calls=ROUTINGS),

@@ -765,15 +765,17 @@ DECODE_WAVE_WARPS = 32  # resident warps per SM that a decode launch's splits ai
 DECODE_OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device) -> int:
+def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device, least: int = 1) -> int:
     """K splits of one decode-MoE launch: slices of whole 128-blocks (the block rotates its own slice of x), the
-    most that keep sources * n_tiles * splits warps within one wave of resident warps."""
+    most that keep sources * n_tiles * splits warps within one wave of resident warps, and at least `least` where
+    it divides. H200 sweep (benchmarks/results/moe-decode-h200.md, Qwen3-30B-A3B layer): one wave is best at m = 1
+    (4 x 3), while from m = 4 the gate/up launch's single split lost 2-8% to two (1.2-1.5 waves)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     blocks, best = k_tiles // 8, 1
     for s in range(1, blocks + 1):
         if blocks % s == 0 and sources * n_tiles * s <= sms * DECODE_WAVE_WARPS:
             best = s
-    return best
+    return least if best < least and blocks % least == 0 else best
 
 
 def decode_counters(max_pairs: int, max_tokens: int, hidden: int, inter: int, device) -> torch.Tensor:
@@ -805,7 +807,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
     if counters.dtype != torch.int32 or counters.numel() < need or counters.device != dev:
         raise ValueError(f"moe_decode: counters must be int32 with at least {need} elements on {dev} "
                          f"(decode_counters), got {counters.dtype} {counters.numel()} on {counters.device}")
-    gu = gu_splits or decode_splits(gate.k_tiles, gate.n_tiles, 2 * pairs, dev)
+    gu = gu_splits or decode_splits(gate.k_tiles, gate.n_tiles, 2 * pairs, dev, least=2)
     dn = dn_splits or decode_splits(down.k_tiles, down.n_tiles, pairs, dev)
     x, weights = x.contiguous(), weights.contiguous()
     partial_gu = torch.empty(pairs * 2 * gu * inter, dtype=torch.float32, device=dev)

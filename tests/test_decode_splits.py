@@ -1,0 +1,26 @@
+"""The decode MoE's split policy (CPU): K slices of whole 128-blocks, one wave of resident warps, the gate/up
+launch's floor of two splits (measured on the H200: benchmarks/results/moe-decode-h200.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_exl3.kernels.cuda_trellis import decode_splits
+
+CPU = torch.device("cpu")  # 132 SMs assumed off the GPU (the H200's count)
+
+
+def test_one_wave_of_whole_blocks():
+    # Qwen3-30B-A3B at m = 1: 16 gate/up sources x 48 strips fit 4 splits in 132 x 32 warps; down 8 x 128 fits 3
+    assert decode_splits(128, 48, 16, CPU, least=2) == 4
+    assert decode_splits(48, 128, 8, CPU) == 3
+    for kt, nt, sources in ((128, 48, 64), (48, 128, 32), (40, 24, 3)):
+        s = decode_splits(kt, nt, sources, CPU)
+        assert (kt // 8) % s == 0 and (s == 1 or sources * nt * s <= 132 * 32)
+
+
+def test_gate_up_floor_of_two():
+    assert decode_splits(128, 48, 64, CPU) == 1  # m = 4: one split fills the wave...
+    assert decode_splits(128, 48, 64, CPU, least=2) == 2  # ...but two measured 2-8% faster
+    assert decode_splits(24, 48, 64, CPU, least=2) == 1  # 3 blocks of 128: two does not divide them
+    assert decode_splits(8, 48, 64, CPU, least=2) == 1  # a single block cannot split
