@@ -24,3 +24,25 @@ def test_gate_up_floor_of_two():
     assert decode_splits(128, 48, 64, CPU, least=2) == 2  # ...but two measured 2-8% faster
     assert decode_splits(24, 48, 64, CPU, least=2) == 1  # 3 blocks of 128: two does not divide them
     assert decode_splits(8, 48, 64, CPU, least=2) == 1  # a single block cannot split
+
+
+def test_moe_decode_rejects_bad_arguments_before_any_launch():
+    """Bad inputs fail with an error naming what is wrong (checked before the kernel library is touched)."""
+    import pytest
+
+    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, decode_counters, moe_decode
+
+    rows = torch.zeros(4, 8, dtype=torch.int64)
+    gate = Exl3ExpertBank.from_meta(rows, [24, 16, 2, 8, 1])  # N 384, K 256, 4 bits, MCG
+    down = Exl3ExpertBank.from_meta(rows, [16, 24, 3, 8, 1])
+    x, ids, w = torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    good = decode_counters(4, 2, 256, 384, CPU)
+    with pytest.raises(ValueError, match="counters must be int32 with at least 16"):
+        moe_decode(x, ids, w, gate, gate, down, 2, False, torch.zeros(15, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fp16/bf16 x"):
+        moe_decode(x.float(), ids, w, gate, gate, down, 2, False, good)
+    with pytest.raises(ValueError, match="fp16/bf16 x"):
+        moe_decode(x, ids, w.half(), gate, gate, down, 2, False, good)
+    with pytest.raises(ValueError, match="gate and up share"):
+        moe_decode(x, ids, w, gate, Exl3ExpertBank.from_meta(rows, [24, 16, 2, 6, 1]), down, 2, False, good)
+    assert good.numel() == 4 * 3 + 2 * 2 and not good.any()
