@@ -762,7 +762,7 @@ def moe_fused(x: torch.Tensor, tables: MoeTables, gate: Exl3ExpertBank, down: Ex
 
 
 DECODE_WAVE_WARPS = 32  # resident warps per SM that a decode launch's splits aim to fill once
-DECODE_OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DECODE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernel's out_kind 0, 1, 2
 
 
 def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device, least: int = 1) -> int:
@@ -770,7 +770,7 @@ def decode_splits(k_tiles: int, n_tiles: int, sources: int, device: torch.device
     most that keep sources * n_tiles * splits warps within one wave of resident warps, and at least `least` where
     it divides. H200 sweep (benchmarks/results/moe-decode-h200.md, Qwen3-30B-A3B layer): one wave is best at m = 1
     (4 x 3), while from m = 4 the gate/up launch's single split lost 2-8% to two (1.2-1.5 waves)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
     blocks, best = k_tiles // 8, 1
     for s in range(1, blocks + 1):
         if blocks % s == 0 and sources * n_tiles * s <= sms * DECODE_WAVE_WARPS:
@@ -795,7 +795,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
     hidden, inter = gate.k_tiles * 16, gate.n_tiles * 16
     if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or x.shape[1] != hidden or \
             weights.dtype != torch.float32 or weights.numel() != pairs or pairs % topk or topk > MAX_FUSED_TOPK or \
-            x.shape[0] != pairs // topk or out_dtype not in DECODE_OUT_KINDS:
+            x.shape[0] != pairs // topk or out_dtype not in DECODE_OUT_DTYPES:
         raise ValueError(f"moe_decode: fp16/bf16 x [tokens, {hidden}], fp32 weights and ids of tokens * top-k "
                          f"(<= {MAX_FUSED_TOPK}) pairs, out fp32/fp16/bf16; got x {x.dtype} {tuple(x.shape)}, "
                          f"weights {weights.dtype} {weights.numel()}, {pairs} ids, top-k {topk}, out {out_dtype}")
@@ -820,7 +820,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
         x.data_ptr(), int(x.dtype == torch.bfloat16), gate.rows.data_ptr(), up.rows.data_ptr(), down.rows.data_ptr(),
         ids.data_ptr(), _ids_bytes(ids), weights.data_ptr(), tokens, topk, hidden, inter, gate.k2, gate.codebook,
         down.k2, down.codebook, gu, dn, partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
-        counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_KINDS[out_dtype], int(pdl),
+        counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_DTYPES.index(out_dtype), int(pdl),
         _stream(x)), "moe decode")
     return out
 

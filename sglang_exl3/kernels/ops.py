@@ -133,9 +133,6 @@ def _moe_fake(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_
 exl3_moe_routed.register_fake(_moe_fake)
 exl3_moe_sorted.register_fake(_moe_fake)
 
-MOE_DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # out_kind 0, 1, 2
-
-
 @torch.library.custom_op("exl3::moe_decode", mutates_args=())
 def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
                     up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
@@ -144,13 +141,15 @@ def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     the fp32 result rounded, so a layer's cast back to the model's dtype is folded in). `counters` come from
     cuda_trellis.decode_counters: zero before and after every call (the kernels reset what they count), so the
     op mutates nothing that outlives it."""
-    from sglang_exl3.kernels.cuda_trellis import flat_routing_ids, moe_decode
+    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES, flat_routing_ids, moe_decode
 
     gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)
     return moe_decode(x, flat_routing_ids(topk_ids), topk_weights.reshape(-1).to(torch.float32), gate, up, down,
-                      topk_ids.shape[1], gelu, counters, out_dtype=MOE_DECODE_DTYPES[out_kind])
+                      topk_ids.shape[1], gelu, counters, out_dtype=DECODE_OUT_DTYPES[out_kind])
 
 
 @exl3_moe_decode.register_fake
 def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu, counters, out_kind):
-    return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=MOE_DECODE_DTYPES[out_kind])
+    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES
+
+    return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=DECODE_OUT_DTYPES[out_kind])

@@ -184,8 +184,7 @@ def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tens
     decode forward): the routed experts only, tier by tier (per pair, or over expert-sorted tiles). The fused
     forwards read fp16 or bf16 x themselves (rounding bf16 to fp16 as a cast would: one launch fewer at decode);
     other dtypes, and the staged forward above MAX_FUSED_TOPK, get fp16."""
-    from sglang_exl3.kernels.cuda_trellis import MAX_FUSED_TOPK
-    from sglang_exl3.kernels.ops import MOE_DECODE_DTYPES
+    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES, MAX_FUSED_TOPK
 
     topk = topk_ids.shape[1]
     if x.dtype != torch.float16 and (x.dtype != torch.bfloat16 or topk > MAX_FUSED_TOPK):
@@ -199,7 +198,7 @@ def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tens
             y = torch.ops.exl3.moe_sorted(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, down.meta,
                                           gelu)
         elif topk <= MAX_FUSED_TOPK and tier.counters is not None:
-            kind = MOE_DECODE_DTYPES.index(out_dtype) if len(tiers.tiers) == 1 and out_dtype in MOE_DECODE_DTYPES \
+            kind = DECODE_OUT_DTYPES.index(out_dtype) if len(tiers.tiers) == 1 and out_dtype in DECODE_OUT_DTYPES \
                 else 0
             y = torch.ops.exl3.moe_decode(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta,
                                           down.meta, gelu, tier.counters, kind)

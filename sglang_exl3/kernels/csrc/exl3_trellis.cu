@@ -1033,6 +1033,8 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArg
   const GroupSource& src = a.down[e];
   const int kt = a.inter / 16, nt = a.hidden / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const half* xrow = a.xh_dn + (size_t)p * a.inter;
+  // stage_x's one-row case, but read through L2 (x was written by the launch this one overlaps) and without its
+  // per-element row division: this runs on the critical path after the wait
   auto stage = [&](int kt0, int kt1) {  // after the gate/up launch has finished (its first loads are in flight)
     pdl_wait();
     const int row16 = (kt1 - kt0) * 2;
@@ -1113,15 +1115,20 @@ inline int xs_smem_bytes(int m, int kt, int splits) {
 }
 constexpr int kMaxXsSmem = 96 << 10;
 
-// Launches kernel_of(row groups) with `smem` bytes of dynamic shared memory. More than the default 48 KB needs the
-// kernel's opt-in, set here on every such launch (cudaFuncSetAttribute is not a stream operation, so CUDA-graph
-// capture allows it; FlashAttention does the same).
+// More than the default 48 KB of dynamic shared memory needs the kernel's opt-in, set on every such launch
+// (cudaFuncSetAttribute is not a stream operation, so CUDA-graph capture allows it; FlashAttention does the same).
+template <typename Kernel>
+void allow_smem(Kernel kernel, int smem) {
+  if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+}
+
+// Launches kernel_of(row groups) with `smem` bytes of dynamic shared memory.
 template <typename KernelOf, typename... Args>
 int launch_with_smem(int m, int smem, dim3 grid, cudaStream_t stream, KernelOf kernel_of, Args... args) {
   if (smem > kMaxXsSmem) return -3;
   return with_row_groups(m, [&](auto mt) {
     auto kernel = kernel_of(mt);
-    if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+    allow_smem(kernel, smem);
     kernel<<<grid, kWarps * 32, smem, stream>>>(args...);
   });
 }
@@ -1176,9 +1183,9 @@ int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int n
 // the down launch as a programmatic dependent of the gate/up one when `pdl`.
 template <typename Kernel>
 int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t stream, const MoeDecodeArgs& a) {
-  const int smem = slice * 32 + 16;
+  const int smem = xs_smem_bytes(1, slice, 1);
   if (smem > kMaxXsSmem) return -3;
-  if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxXsSmem);
+  allow_smem(kernel, smem);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
