@@ -43,6 +43,8 @@ def test_moe_decode_rejects_bad_arguments_before_any_launch():
         moe_decode(x.float(), ids, w, gate, gate, down, 2, False, good)
     with pytest.raises(ValueError, match="fp16/bf16 x"):
         moe_decode(x, ids, w.half(), gate, gate, down, 2, False, good)
+    with pytest.raises(ValueError, match="gu_splits 3 must divide 2"):
+        moe_decode(x, ids, w, gate, gate, down, 2, False, good, gu_splits=3)
     with pytest.raises(ValueError, match="gate and up share"):
         moe_decode(x, ids, w, gate, Exl3ExpertBank.from_meta(rows, [24, 16, 2, 6, 1]), down, 2, False, good)
     assert good.numel() == 4 * 3 + 2 * 2 and not good.any()

@@ -809,6 +809,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
                          f"(decode_counters), got {counters.dtype} {counters.numel()} on {counters.device}")
     gu = gu_splits or decode_splits(gate.k_tiles, gate.n_tiles, 2 * pairs, dev, least=2)
     dn = dn_splits or decode_splits(down.k_tiles, down.n_tiles, pairs, dev)
+    if (hidden // 128) % gu or (inter // 128) % dn:
+        raise ValueError(f"moe_decode: splits must cut K into whole 128-blocks: gu_splits {gu} must divide "
+                         f"{hidden // 128} and dn_splits {dn} must divide {inter // 128} (or pass None: "
+                         "decode_splits)")
     x, weights = x.contiguous(), weights.contiguous()
     partial_gu = torch.empty(pairs * 2 * gu * inter, dtype=torch.float32, device=dev)
     xh_dn = torch.empty(pairs * inter, dtype=torch.float16, device=dev)
