@@ -1,5 +1,5 @@
 """EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours (the MoE method's
-capturable forward: routed groups below dense_min_rows rows, dense slab + fused_experts above) vs SGLang's bf16
+capturable forward: routed groups below rotated_min_rows rows, the rotated slab above) vs SGLang's bf16
 `fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
 routing rotated across calls). Both take the hidden states in the model's dtype (--x-dtype, bf16 by default) and
 return that dtype, as the layer does inside a model: ours is the MoE method's forward plus its output cast (and, before

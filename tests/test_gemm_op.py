@@ -190,33 +190,43 @@ def test_build_tiers_stacks_each_tier_and_needs_our_kernels():
 
 def test_moe_forward_choice_by_rows(monkeypatch):
     """The capturable plans' choice: no tiers (other backends) -> every expert on every row; below the layer's
-    dense_min_rows -> routed groups; from it -> the dense slab. Records which forward ran (the forwards themselves
+    rotated_min_rows -> routed groups; from it -> the rotated slab. Records which forward ran (the forwards themselves
     need a GPU and are checked against the codec in tests/gpu/test_moe_cuda.py)."""
     from types import SimpleNamespace
 
     from sglang_exl3.layers import moe as moe_layer
-    from sglang_exl3.layers.moe_kernels import dense_min_rows
+    from sglang_exl3.layers.moe_kernels import rotated_min_rows
 
     ran, out_dtypes = [], []
     monkeypatch.setattr(moe_layer, "routed_forward", lambda *a, **k: (ran.append("routed"), out_dtypes.append(a[5])))
-    monkeypatch.setattr(moe_layer, "dense_forward", lambda *a, **k: ran.append("dense"))
+    monkeypatch.setattr(moe_layer, "rotated_slab_forward", lambda *a, **k: ran.append("rotated"))
     method = moe_layer.Exl3MoEMethod({}, "x.experts")
     method.moe_runner_config = SimpleNamespace(activation="silu", top_k=8, routed_scaling_factor=None)
     monkeypatch.setattr(method, "_all_experts", lambda *a: ran.append("all"))
     layer = SimpleNamespace(exl3_tiers=SimpleNamespace(num_experts=128), intermediate_size_per_partition=128,
                             hidden_size=256, exl3_moe_slab={})
-    rows = dense_min_rows(128, 8)
+    rows = rotated_min_rows(128, 8)
     for m in (1, rows - 1, rows, 4 * rows):
         method._capturable(layer, torch.zeros(m, 256, dtype=torch.float16), None, None)
     layer.exl3_tiers = None
     method._capturable(layer, torch.zeros(1, 256, dtype=torch.float16), None, None)
-    assert ran == ["routed", "routed", "dense", "dense", "all"]
+    assert ran == ["routed", "routed", "rotated", "rotated", "all"]
     # the routed forward rounds into x's dtype itself unless a routed scaling follows in fp32
     assert out_dtypes == [torch.float16, torch.float16]
     method.moe_runner_config.routed_scaling_factor = 2.5
     layer.exl3_tiers = SimpleNamespace(num_experts=128)
     method._capturable(layer, torch.zeros(1, 256, dtype=torch.bfloat16), None, None)
     assert out_dtypes[-1] == torch.float32
+
+
+def test_rotated_crossover_scales_with_experts_over_topk():
+    """Measured for Qwen3-30B-A3B (128 experts, top-8): the rotated slab beats sorted tiles from ~600 rows (37 pairs
+    per expert); fewer experts per routed pair cross sooner (Mixtral: 8 experts, top-2), never below the floor."""
+    from sglang_exl3.layers.moe_kernels import MIN_DENSE_ROWS, rotated_min_rows
+
+    assert 512 < rotated_min_rows(128, 8) <= 700
+    assert rotated_min_rows(8, 2) == 148
+    assert rotated_min_rows(1, 16) == MIN_DENSE_ROWS
 
 
 def test_dense_crossover_scales_with_experts_over_topk():

@@ -22,9 +22,9 @@ from sglang_cpu import load_as_server, sglang_runtime
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# rows per MoE forward: on the GPU, one source per pair (1, 2), sorted tiles (6, 40) and, from dense_min_rows
-# (600 rows for 4 experts, top-2), the slab; on the CPU every row count runs the same all-experts path
-MOE_ROWS = (1, 2, 6, 40, 700) if DEVICE == "cuda" else (1, 6)
+# rows per MoE forward: on the GPU, one source per pair (1, 2), sorted tiles (6, 40) and, from rotated_min_rows
+# (74 rows for 4 experts, top-2), the rotated slab; on the CPU every row count runs the same all-experts path
+MOE_ROWS = (1, 2, 6, 40, 100, 700) if DEVICE == "cuda" else (1, 6)
 REL_TOL = 1e-2  # the twin holds fp16 weights; ours decode and rotate with fp16 roundings of their own
 
 

@@ -10,8 +10,9 @@ intermediate dimension for MoE tensor parallelism in 128-element units.
 Forward: the model's MoE dispatch plan (`sglang_exl3.runtime.moe_plan`, built once per model scope and
 role after loading, knobs validated then) sends a batch of m rows to the decode plan, the prefill plan (in
 slices of its capacity) or the eager parity path. On our CUDA kernels the decode and prefill plans read only
-the routed experts, and from dense_min_rows(experts, top-k) rows decode every expert into one fp16 slab for
-SGLang's Triton fused_experts (`layers/moe_kernels.py`; experts of mixed bitrates run tier by tier). Elsewhere
+the routed experts, and from rotated_min_rows(experts, top-k) rows decode every expert's W_hat into one fp16 slab
+for SGLang's Triton grouped GEMM between per-pair rotations (`layers/moe_rotated.py`; experts of mixed bitrates
+run tier by tier). Elsewhere
 (torch/exllamav3 backends) they run every local expert on all rows through `torch.ops.exl3.gemm`, weighted by
 its routing weight (capturable, E x the dense FLOPs). The parity path runs only the routed experts on their
 rows (data-dependent shapes: eager only, and refused during graph capture).
@@ -38,11 +39,11 @@ from sglang_exl3.layers.linear import (
 from sglang_exl3.layers.moe_kernels import (
     ROLES,
     build_tiers,
-    dense_forward,
-    dense_min_rows,
     reserve_slab,
+    rotated_min_rows,
     routed_forward,
 )
+from sglang_exl3.layers.moe_rotated import rotated_slab_forward
 from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
 
 GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
@@ -196,15 +197,16 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     def _capturable(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read;
-        they take bf16 x as it comes), or from dense_min_rows rows the dense slab + SGLang's fused_experts (fp16
-        weights, so fp16 x); elsewhere every expert on every row."""
+        they take bf16 x as it comes), or from rotated_min_rows rows the rotated slab (every expert's W_hat decoded
+        once, SGLang's Triton grouped GEMM between per-pair rotations; fp16); elsewhere every expert on every row."""
         tiers = layer.exl3_tiers
         if tiers is None:
             return self._all_experts(layer, x, topk_weights, topk_ids)
-        if x.shape[0] >= dense_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
-            return dense_forward(tiers, self._owner(layer).exl3_moe_slab, layer.intermediate_size_per_partition,
-                                 layer.hidden_size, x.to(torch.float16), topk_weights, topk_ids,
-                                 self.moe_runner_config)
+        if x.shape[0] >= rotated_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
+            return rotated_slab_forward(tiers, self._owner(layer).exl3_moe_slab,
+                                        layer.intermediate_size_per_partition, layer.hidden_size,
+                                        x.to(torch.float16), topk_weights, topk_ids,
+                                        self.moe_runner_config.activation == "gelu")
         # with no routed scaling to apply in fp32 afterwards, the decode forward may round into x's dtype itself
         fold = self.moe_runner_config.routed_scaling_factor is None
         return routed_forward(tiers, x, topk_weights, topk_ids, self.moe_runner_config.activation == "gelu",

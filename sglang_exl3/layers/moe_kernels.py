@@ -7,9 +7,10 @@ view: no second copy) and described by an expert bank (GroupSource rows). Two ca
   that find each pair's expert on the device, or from 1.5 pairs per expert `torch.ops.exl3.moe_sorted`
   (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64 rows, one source per tile: a table launch and
   the fused five-launch forward); pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
-- dense (from dense_min_rows(experts, top-k) rows): every expert decoded into the model's fp16 slab in
-  fused_experts' layout (five launches per tier and role), tier by tier; ids remapped to slab positions;
-  SGLang's Triton fused_experts groups the tokens by expert.
+- rotated slab (from rotated_min_rows(experts, top-k) rows; layers/moe_rotated.py): every expert's W_hat decoded
+  into the model's fp16 slab (one launch per tier and role), SGLang's Triton grouped GEMM between per-pair
+  rotations. `dense_forward` (the slab in the original basis + fused_experts, five launches per tier and role) is
+  no longer chosen by the plan: it measured slower than the rotated slab at every m; benchmarks keep it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's 
 # ~4,800 rows. The fourth session's 38 (~600 rows) was measured against per-pair sources, before sorted tiles.
 SLAB_OVER_PAIR = 300
 MIN_DENSE_ROWS = 32
+
+
+# Rows from which the prefill plan runs the rotated slab (layers/moe_rotated.py: every expert's W_hat decoded once
+# into the slab, SGLang's Triton grouped GEMM between per-pair rotations) instead of expert-sorted tiles. H200,
+# Qwen3-30B-A3B layer, 4 bits (moe-h200-session9.md with --both-paths; sorted tiles with x in shared memory from
+# moe-h200.md): rotated 1,391 µs at 512 rows and 5,578 at 4,096, sorted 1,341 and 7,433: crossing near 600 rows,
+# ~37 (token, expert) pairs per expert. The dense slab (dense_forward, five passes per role) measured slower than
+# the rotated slab at every m (9.6-10.3 ms flat), so the plan no longer uses it.
+ROTATED_PAIRS_PER_EXPERT = 37
+
+
+def rotated_min_rows(experts: int, topk: int) -> int:
+    """The first row count at which the rotated slab is cheaper than expert-sorted tiles for this layer."""
+    return max(MIN_DENSE_ROWS, -(-ROTATED_PAIRS_PER_EXPERT * experts // max(topk, 1)))
 
 
 def dense_min_rows(experts: int, topk: int) -> int:

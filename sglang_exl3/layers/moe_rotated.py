@@ -9,8 +9,8 @@ activation run between the GEMMs on the pair rows. The Hadamard blocks are fp16 
 fp16): each such rotation is sqrt(2) times the normalised one, so a GEMM between two of them comes out 2x and the
 output scale takes an exact 0.5.
 
-Not yet chosen by the MoE plan: written without device time (CPU-checked with a stand-in for the Triton GEMM);
-`benchmarks/moe.py --both-paths` measures it beside the other forwards.
+The MoE plan's forward from rotated_min_rows rows (layers/moe_kernels.py: the crossover with expert-sorted tiles
+measured on the H200); `benchmarks/moe.py --both-paths` measures it beside the other forwards.
 """
 
 from __future__ import annotations

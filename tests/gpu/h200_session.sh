@@ -8,9 +8,10 @@
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
-# parity-moe / parity-rs / parity-hybrid / parity-pw   serving parity (PARITY_BACKEND: our kernels by default):
+# parity-moe / parity-rs / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our kernels by default):
 #                                         exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced fixture; GLM-4.5 / DeepSeek-V3
-#                                         hybrids (shared experts); a dense Llama with piecewise prefill graphs
+#                                         hybrids (shared experts); a dense Llama / Qwen3-MoE with piecewise prefill graphs
+# e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
@@ -104,10 +105,22 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     done
     parity hybrid "${ckpts[@]}"
     ;;
+  parity-moe-pw)  # the MoE prefill plans (sorted tiles, rotated slab) inside piecewise prefill graphs
+    site_env
+    parity moe-pw --ckpt tiny-qwen3moe-mul1-4bpw --extra="--cuda-graph-backend-prefill tc_piecewise"
+    grep -ho "cuda_graph_backend_prefill='[^']*'" "$work"/moe-pw/server-*-exl3.log | head -1
+    ;;
   parity-pw)
     site_env
     parity pw --ckpt tiny-llama-mul1-4bpw --extra="--cuda-graph-backend-prefill tc_piecewise"
     grep -ho "cuda_graph_backend_prefill='[^']*'" "$work"/pw/server-*-exl3.log | head -1
+    ;;
+  e2e)  # Llama-3-8B-shaped EXL3 ($E2E_BITS, 4 by default) against its bf16 twin
+    site_env
+    stop_servers
+    timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --bits "${E2E_BITS:-4}" --backend cuda --workdir /tmp/e2e \
+      2>&1 | tee "$work/e2e.txt" | tail -20
+    cp benchmarks/results/e2e-h200.* "$work/" 2>/dev/null
     ;;
   e2e-moe)
     site_env
