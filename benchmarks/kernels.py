@@ -262,7 +262,7 @@ def main() -> int:
         bits_list = [int(b) for b in args.bits.split(",")]
     if args.ms:
         ms = [int(m) for m in args.ms.split(",")]
-    fused_max_m = ck.FUSED_CROSSOVER_M
+    fused_max_m = ck.fused_crossover_m()  # SGLANG_EXL3_FUSED_MAX_M, else the product's default
     head["fused_max_m"] = fused_max_m
     rows = []
     for k, n in shapes:

@@ -26,6 +26,7 @@ class Knob:
     choices: tuple[str, ...] = ()
     help: str = ""
     vllm_name: str | None = None
+    maximum: int | None = None  # positive_int: the largest value allowed
 
     @property
     def env(self) -> str:
@@ -48,6 +49,8 @@ class Knob:
                 raise KnobError(f"{self.env} must be a positive integer or unset, got {raw!r}") from None
             if value <= 0:
                 raise KnobError(f"{self.env} must be positive, got {value}")
+            if self.maximum is not None and value > self.maximum:
+                raise KnobError(f"{self.env} must be at most {self.maximum}, got {value}")
             if self.choices and str(value) not in self.choices:
                 raise KnobError(f"{self.env} must be one of {', '.join(self.choices)}, got {value}")
             return value
@@ -73,6 +76,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_EXT_PATH"),
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
+    Knob("FUSED_MAX_M", 64, "positive_int", help="dense linears on our CUDA kernels: the most rows the fused decode "
+         "GEMM serves (1-64, its limit); above, reconstruct + cuBLAS", maximum=64),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "
          "weights in fp32 and log the layer, rows and path where they disagree (slow)"),
     Knob("TRELLIS_MIN_M", 1, "positive_int", help="MoE decode plan: smallest m (below: parity path)",

@@ -55,3 +55,19 @@ def test_backend_resolution_on_cpu(monkeypatch):
     monkeypatch.setenv("SGLANG_EXL3_BACKEND", "cuda")
     with pytest.raises(BackendUnavailable, match="cuda needs a CUDA device"):
         resolve_backend(torch.device("cpu"))
+
+
+def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypatch):
+    """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover, at most the fused kernel's 64 rows, and what the
+    dense dispatch (cuda_trellis.fused_crossover_m, used by exl3_linear and exl3::gemm_group) reads."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    assert knobs.validate_all({})["FUSED_MAX_M"] == ck.FUSED_CROSSOVER_M <= ck.FUSED_MAX_M
+    with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be at most 64, got 65"):
+        knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "65"})
+    with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be positive, got 0"):
+        knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "0"})
+    monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
+    assert ck.fused_crossover_m() == 32
+    monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", " ")
+    assert ck.fused_crossover_m() == ck.FUSED_CROSSOVER_M

@@ -32,7 +32,8 @@ ABI_VERSION = 11
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
-# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch.
+# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch. SGLANG_EXL3_FUSED_MAX_M
+# overrides it (fused_crossover_m()).
 FUSED_CROSSOVER_M = 64
 RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
 # Rows for which the small-m GEMM stages x in shared memory (one ldmatrix per tile, 48-56 registers instead of 64-96):
@@ -365,15 +366,23 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
     return partial
 
 
+def fused_crossover_m() -> int:
+    """The most rows a dense linear runs on the fused GEMM: SGLANG_EXL3_FUSED_MAX_M, else FUSED_CROSSOVER_M (the knob
+    is validated at startup; read per call, so a benchmark may set it between runs)."""
+    return knobs.get("FUSED_MAX_M")
+
+
 def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: Codebook, splits: int | None = None, path: str | None = None,
-                fused_max_m: int = FUSED_CROSSOVER_M) -> torch.Tensor:
+                fused_max_m: int | None = None) -> torch.Tensor:
     """y fp16 [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 x [m, K] and prepare()d weights.
     `path`: 'fused', 'reconstruct' (W' = W_hat H r diag(svh) per column slice, then had_in(x) @ W' in cuBLAS),
     'reconstruct_staged' (W_hat, cuBLAS, then the output rotation over m x N) or None (fused up to `fused_max_m`
-    rows, else 'reconstruct_staged': on the H200 the rotated reconstruct measured 168 vs 107 µs at m = 256 and
-    0.94-1.06x at m = 2048, benchmarks/results/prefill-h200.md)."""
+    rows, default fused_crossover_m(), else 'reconstruct_staged': on the H200 the rotated reconstruct measured 168
+    vs 107 µs at m = 256 and 0.94-1.06x at m = 2048, benchmarks/results/prefill-h200.md)."""
     m = x.shape[0]
+    if fused_max_m is None:
+        fused_max_m = fused_crossover_m()
     xh = had_in(x.contiguous(), suh)
     xs = None
     if path is None:
