@@ -85,8 +85,9 @@ def test_group_op_fake_shape_and_trace():
 
 def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch):
     """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_FUSED_MAX_M rows and per-source linears
-    (reconstruct + cuBLAS) above; which one ran is recorded (the kernels themselves need a GPU:
-    tests/gpu/test_cuda_trellis.py)."""
+    above, and from 33 rows only where the group can stage x in shared memory (a long K slice cannot: then each
+    source runs by the single-linear policy, as a lone linear would); which one ran is recorded (the kernels
+    themselves need a GPU: tests/gpu/test_cuda_trellis.py)."""
     from sglang_exl3.kernels import cuda_trellis as ck
     from sglang_exl3.kernels.cuda_trellis import prepare
 
@@ -94,17 +95,23 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch):
     monkeypatch.setattr(ck, "group_linear", lambda x, g: (ran.append("group"), torch.zeros(x.shape[0], 640))[1])
     monkeypatch.setattr(ck, "exl3_linear", lambda x, t, *a: (ran.append("linear"), torch.zeros(x.shape[0],
                                                                                             t.shape[0] * 16))[1])
-    monkeypatch.setattr(ck.Exl3Group, "from_meta", staticmethod(lambda *a: None))
     srcs = [_layer(3 + i, n=n) for i, n in enumerate((384, 128, 128))]
     tiles, suh, svh = [prepare(t) for t, _, _ in srcs], [s for _, s, _ in srcs], [v for _, _, v in srcs]
     table = torch.zeros(3, 8, dtype=torch.int64)
 
-    def call(m):
-        return torch.ops.exl3.gemm_group(torch.randn(m, 256).half(), tiles, suh, svh, table, [3, 16, 0, 640, 0, 6], 1)
+    def call(m, max_slice=16):  # meta: sources, K/16, items, columns, partials per row, words per tile, max slice
+        meta = [3, 16, 0, 640, 0, 6, max_slice]
+        return torch.ops.exl3.gemm_group(torch.randn(m, 256).half(), tiles, suh, svh, table, meta, 1)
 
     for m in (1, 64, 65):
         call(m)
     assert ran == ["group", "group"] + ["linear"] * 3
+    ran.clear()
+    long_slice = 52  # Llama-3-8B's gate/up at its load-time splits: 64 rows of x would need 105 KB
+    assert ck.xs_smem(64, long_slice) > ck.XS_GROUP_SMEM_BYTES >= ck.xs_smem(32, long_slice)
+    for m in (32, 64):
+        call(m, long_slice)
+    assert ran == ["group"] + ["linear"] * 3
     ran.clear()
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
     for m in (32, 33):

@@ -50,6 +50,9 @@ XS_GROUP_SMEM_BYTES = 96 << 10  # a group's splits are fixed at load: above this
 # 151936-wide lm_head at m = 64 would need 24 splits, 933 MB); the slice then grows up to XS_GROUP_SMEM_BYTES, and
 # where it cannot, global loads (and above 32 rows, reconstruct + cuBLAS: measured faster there).
 XS_PARTIAL_BYTES = 64 << 20
+# Above this many rows the fused GEMM pays only with x in shared memory: with global loads it measured a median
+# 1.68x of reconstruct + cuBLAS at m = 64 (kernels-h200). Single linears and groups then take reconstruct + cuBLAS.
+GLOBAL_LOADS_MAX_M = 32
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -390,7 +393,7 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
         if path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
             splits = auto_xs_splits(m, tiles.shape[1], tiles.shape[0], codebook, x.device)
             xs = splits is not None
-            if m > 32 and not xs:
+            if m > GLOBAL_LOADS_MAX_M and not xs:
                 path = "reconstruct_staged"
     if path == "fused":
         return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs), svh)
@@ -458,6 +461,12 @@ class Exl3Group:
         num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice = meta
         return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
                    partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice)
+
+    def runs_fused(self, m: int) -> bool:
+        """Whether m rows run as this group's one fused launch: up to fused_crossover_m(), and above
+        GLOBAL_LOADS_MAX_M only where x can be staged (its splits are fixed at load; a gate/up group with long K
+        slices cannot stage 64 rows). Otherwise each source runs as a single linear, by the single-linear policy."""
+        return m <= fused_crossover_m() and (m <= GLOBAL_LOADS_MAX_M or self.xs_slice(m) > 0)
 
     def xs_slice(self, m: int) -> int:
         """The x slice to stage in shared memory for m rows (0: global loads): where use_xs says so and the

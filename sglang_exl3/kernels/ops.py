@@ -80,10 +80,11 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
                     table: torch.Tensor, meta: list[int], codebook: int) -> torch.Tensor:
     """Our CUDA kernels only: fp16 [m, sum N] = the concatenated outputs of every source for fp16 x [m, K].
     `tiles` are prepare()d; `table` and `meta` come from cuda_trellis.make_group (Exl3Group.meta)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3Group, exl3_linear, fused_crossover_m, group_linear
+    from sglang_exl3.kernels.cuda_trellis import Exl3Group, exl3_linear, group_linear
 
-    if x.shape[0] <= fused_crossover_m():
-        return group_linear(x, Exl3Group.from_meta(table, meta, codebook))
+    group = Exl3Group.from_meta(table, meta, codebook)
+    if group.runs_fused(x.shape[0]):
+        return group_linear(x, group)
     return torch.cat([exl3_linear(x, t, s, v, Codebook(codebook)) for t, s, v in zip(tiles, suh, svh, strict=True)],
                      dim=1)
 
