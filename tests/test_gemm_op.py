@@ -83,7 +83,7 @@ def test_group_op_fake_shape_and_trace():
     assert tuple(out.shape) == (7, 640)
 
 
-def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch):
+def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request):
     """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_FUSED_MAX_M rows and per-source linears
     above, and from 33 rows only where the group can stage x in shared memory (a long K slice cannot: then each
     source runs by the single-linear policy, as a lone linear would); which one ran is recorded (the kernels
@@ -113,7 +113,9 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch):
         call(m, long_slice)
     assert ran == ["group"] + ["linear"] * 3
     ran.clear()
+    request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
+    ck.fused_crossover_m.cache_clear()
     for m in (32, 33):
         assert tuple(call(m).shape) == (m, 640)
     assert ran == ["group"] + ["linear"] * 3

@@ -57,7 +57,7 @@ def test_backend_resolution_on_cpu(monkeypatch):
         resolve_backend(torch.device("cpu"))
 
 
-def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypatch):
+def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypatch, request):
     """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover, at most the fused kernel's 64 rows, and what the
     dense dispatch (cuda_trellis.fused_crossover_m, used by exl3_linear and exl3::gemm_group) reads."""
     from sglang_exl3.kernels import cuda_trellis as ck
@@ -67,7 +67,10 @@ def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypat
         knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "65"})
     with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be positive, got 0"):
         knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "0"})
+    request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
+    ck.fused_crossover_m.cache_clear()
     assert ck.fused_crossover_m() == 32
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", " ")
+    ck.fused_crossover_m.cache_clear()
     assert ck.fused_crossover_m() == ck.FUSED_CROSSOVER_M

@@ -32,9 +32,9 @@ ABI_VERSION = 11
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
-# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch. SGLANG_EXL3_FUSED_MAX_M
-# overrides it (fused_crossover_m()).
-FUSED_CROSSOVER_M = 64
+# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch. It is the default of
+# SGLANG_EXL3_FUSED_MAX_M, which overrides it (fused_crossover_m()).
+FUSED_CROSSOVER_M = knobs.KNOBS["FUSED_MAX_M"].default
 RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
 # Rows for which the small-m GEMM stages x in shared memory (one ldmatrix per tile, 48-56 registers instead of 64-96):
 # 1.04-1.32x at m = 8 and 1.3-1.8x at m = 16; at m = 1-4 within +-3% for MCG, mostly 1.01-1.05x for MUL1
@@ -369,9 +369,10 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
     return partial
 
 
+@cache
 def fused_crossover_m() -> int:
-    """The most rows a dense linear runs on the fused GEMM: SGLANG_EXL3_FUSED_MAX_M, else FUSED_CROSSOVER_M (the knob
-    is validated at startup; read per call, so a benchmark may set it between runs)."""
+    """The most rows a dense linear runs on the fused GEMM: SGLANG_EXL3_FUSED_MAX_M, else FUSED_CROSSOVER_M. Read
+    once per process (validated at startup; parsing the environment per linear call cost ~2 µs on the eager path)."""
     return knobs.get("FUSED_MAX_M")
 
 
