@@ -107,9 +107,9 @@ def expert_layer(tensors):
 
     from sglang_exl3.kernels import cuda_trellis as ck
     from sglang_exl3.kernels.backends import Backend
-    from sglang_exl3.layers.linear import Exl3Shard
     from sglang_exl3.layers.moe import Exl3MoEMethod
     from sglang_exl3.layers.moe_kernels import build_tiers
+    from sglang_exl3.layers.shard import Exl3Shard
 
     experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(trellis.cuda()), suh=suh.cuda(), svh=svh.cuda(),
                                 codebook=cb, out_features=svh.numel(), kernel_layout=True)

@@ -95,7 +95,7 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
-    from sglang_exl3.integration import hooks
+    from sglang_exl3.layers.exl3_config import deactivate
 
     config = ModelConfig(str(path))
     model_cls, _ = get_model_architecture(config)  # the loader's own choice (SGLang swaps some model classes)
@@ -103,7 +103,7 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
     if config.quantization == "exl3":  # the loader's own call (it reads hf_config.quantization_config)
         cfg = _get_quantization_config(config, LoadConfig())
     else:
-        hooks.set_active_config(None)  # a plain model must not pick up the last EXL3 model's lm_head config
+        deactivate()  # a plain model must not pick up the last EXL3 model's lm_head config
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype or default)
     try:

@@ -125,7 +125,8 @@ def test_group_only_for_sources_that_can_share_launches():
     """Grouping needs our CUDA kernels, shared K/bits/codebook and untrimmed whole-block widths; anything else
     keeps the per-source path (grouping those would compute garbage, not fail)."""
     from sglang_exl3.kernels.cuda_trellis import prepare
-    from sglang_exl3.layers.linear import Exl3Shard, group_shards
+    from sglang_exl3.layers.linear import group_shards
+    from sglang_exl3.layers.shard import Exl3Shard
 
     def shard(n, bits=3, cb=Codebook.MCG, out=None, k=256):
         t, s, v = _layer(n, k=k, n=n, bits=bits)
@@ -158,7 +159,7 @@ def test_moe_ops_fake_shape(op):
 
 def _expert_shard(k, n, seed, bits=3, cb=Codebook.MCG, out=None):
     from sglang_exl3.kernels.cuda_trellis import prepare
-    from sglang_exl3.layers.linear import Exl3Shard
+    from sglang_exl3.layers.shard import Exl3Shard
 
     t, s, v = _layer(seed, k=k, n=n, bits=bits)
     return Exl3Shard(key="e", trellis=prepare(t), suh=s, svh=v, codebook=cb, out_features=out or n,
@@ -260,21 +261,11 @@ def test_moe_forward_choice_by_rows(monkeypatch):
 def test_rotated_crossover_scales_with_experts_over_topk():
     """Measured for Qwen3-30B-A3B (128 experts, top-8): the rotated slab beats sorted tiles from ~600 rows (37 pairs
     per expert); fewer experts per routed pair cross sooner (Mixtral: 8 experts, top-2), never below the floor."""
-    from sglang_exl3.layers.moe_kernels import MIN_DENSE_ROWS, rotated_min_rows
+    from sglang_exl3.layers.moe_kernels import MIN_SLAB_ROWS, rotated_min_rows
 
     assert 512 < rotated_min_rows(128, 8) <= 700
     assert rotated_min_rows(8, 2) == 148
-    assert rotated_min_rows(1, 16) == MIN_DENSE_ROWS
-
-
-def test_dense_crossover_scales_with_experts_over_topk():
-    """Measured for Qwen3-30B-A3B (128 experts, top-8): sorted tiles beat the slab up to m = 4096, crossing near
-    4,800 rows; fewer experts per routed pair cross sooner (Mixtral: 8 experts, top-2), never below the floor."""
-    from sglang_exl3.layers.moe_kernels import MIN_DENSE_ROWS, dense_min_rows
-
-    assert 4096 < dense_min_rows(128, 8) <= 5200
-    assert dense_min_rows(8, 2) == 1200
-    assert dense_min_rows(1, 16) == MIN_DENSE_ROWS  # 300 / 16 rows: below the floor
+    assert rotated_min_rows(1, 16) == MIN_SLAB_ROWS
 
 
 def test_sorted_tiles_from_one_and_a_half_pairs_per_expert():

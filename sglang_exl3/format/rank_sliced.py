@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_exl3.format.checkpoint import Exl3ModuleRecord
+from sglang_exl3.format.constants import Codebook
+
 TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
 SHARED_H_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
 REQUIRED = ("bits", "codebook", "experts_per_layer", "moe_layers", "tensor_schema", "tp")
@@ -192,9 +195,6 @@ def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, lay
     `.rank{rank}` tensors (shared-H rotations filled in per expert). Records are keyed by the name the tensors load
     under after `normalize_weight_name`. Every missing tensor and every bitrate that disagrees with the metadata is
     an error here, at load time."""
-    from sglang_exl3.format.checkpoint import Exl3ModuleRecord
-    from sglang_exl3.format.constants import Codebook
-
     stored = _stored_prefix(tensors, experts_prefix, rank)
     records, problems = {}, []
     for e in range(spec.experts_per_layer):

@@ -17,6 +17,7 @@ from sglang_exl3.format.constants import (
     Codebook,
 )
 from sglang_exl3.format.errors import Problem
+from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, claims
 from sglang_exl3.format.safetensors_index import FLOAT_CODES, TensorInfo
 
 REEXPORT = "re-export this module with exllamav3's converter"
@@ -31,11 +32,9 @@ def _hybrid_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     """A rank-sliced (`hybrid_tr3_tail`) checkpoint: its quantization_config may name another method and the
     per-module sidecar may be absent (then everything but the routed experts is unquantized); but non-expert
     weights quantized in another format cannot be served as plain weights."""
-    from sglang_exl3.format import rank_sliced
-
     foreign = sorted(n for n, t in ckpt.tensors.items()
                      if (t.dtype.startswith("F8") or n.endswith(_FOREIGN_SCALES))
-                     and not rank_sliced.RANK_SLICED_WEIGHT_RE.match(n))
+                     and not RANK_SLICED_WEIGHT_RE.match(n))
     if not foreign:
         return []
     return [Problem(f"{len(foreign)} non-expert tensor(s) are quantized in another format (e.g. {foreign[:3]}); "
@@ -44,9 +43,7 @@ def _hybrid_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
 
 
 def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
-    from sglang_exl3.format import rank_sliced
-
-    if ckpt.config and rank_sliced.claims(ckpt.config):
+    if ckpt.config and claims(ckpt.config):
         out = _hybrid_problems(ckpt)  # quantization_config and the sidecar may name another method / be absent
     else:
         out = _exl3_config_problems(ckpt)
@@ -75,11 +72,9 @@ def _exl3_config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
 def _module_keys(ckpt: Exl3Checkpoint) -> list[str]:
     """Per-module EXL3 keys. A rank-sliced checkpoint's `.rank{r}` expert slices are not per-module EXL3: they
     follow `hybrid_tr3_tail` (format/rank_sliced.py) and are left out here."""
-    from sglang_exl3.format import rank_sliced
-
     keys = {n[: -len(".trellis")] for n in ckpt.tensors if n.endswith(".trellis")}
-    if rank_sliced.claims(ckpt.config):
-        keys = {k for k in keys if not rank_sliced.RANK_SLICED_WEIGHT_RE.match(f"{k}.trellis")}
+    if claims(ckpt.config):
+        keys = {k for k in keys if not RANK_SLICED_WEIGHT_RE.match(f"{k}.trellis")}
     for key, entry in ckpt.tensor_storage.items():
         stored = (entry or {}).get("stored_tensors") or {}
         if (entry or {}).get("quant_format") == "exl3" or f"{key}.trellis" in stored:

@@ -20,16 +20,11 @@ indexes its buffer with None; the hook hands the block's layer id to its TopK wh
 
 from __future__ import annotations
 
-ACTIVE_CONFIG = None  # the Exl3Config most recently created in this process
-
-
-def set_active_config(config) -> None:
-    global ACTIVE_CONFIG
-    ACTIVE_CONFIG = config
+from sglang_exl3.layers.exl3_config import active_config
 
 
 def lm_head_quant_config(original, self, *args, **kwargs):
-    config = ACTIVE_CONFIG
+    config = active_config()
     if kwargs.get("quant_config") is None and config is not None and config.checkpoint is not None:
         if config.record_for(kwargs.get("prefix") or "lm_head") is not None:
             kwargs["quant_config"] = config
@@ -51,7 +46,7 @@ def rank_sliced_quant_config(original, self, *args, **kwargs):
                                                                 (parsed or {}).get("quant_method"))}
         # The model loader builds the quantization config from hf_config.quantization_config, not from this
         # parse: without the claim there, a hybrid (no quantization_config) got a pass-through config and one
-        # naming exl3 lost its tail, and either way the experts loaded as unquantized garbage (seventh session).
+        # naming exl3 lost its tail, and either way the experts loaded as unquantized garbage.
         self.hf_config.quantization_config = dict(parsed)
     return parsed
 
@@ -63,7 +58,7 @@ def rank_sliced_weights(original, model, weights, target_device):
     auto-loading. Every other checkpoint passes through untouched."""
     config = getattr(model, "quant_config", None)
     if getattr(config, "rank_sliced", None) is None:
-        config = ACTIVE_CONFIG
+        config = active_config()
     if getattr(config, "rank_sliced", None) is None:
         return original(model, weights, target_device)
     result = original(model, _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0), target_device)
@@ -120,7 +115,7 @@ def mixtral_through_fused_moe(original, model_config, *args, **kwargs):
     """AROUND `model_loader.utils.get_model_architecture`: an EXL3 Mixtral resolves to `MixtralForCausalLM`
     (FusedMoE, so `Exl3MoEMethod` and SGLang's own TopK routing), not to the per-expert `QuantMixtralForCausalLM`
     that SGLang picks for quantization methods it does not list. Without this the EXL3 server ran all experts
-    densely and routed differently from an fp16 Mixtral served by the same SGLang (eighth session)."""
+    densely and routed differently from an fp16 Mixtral served by the same SGLang."""
     archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
     if getattr(model_config, "quantization", None) != "exl3" or "MixtralForCausalLM" not in archs:
         return original(model_config, *args, **kwargs)
@@ -133,8 +128,8 @@ def mixtral_through_fused_moe(original, model_config, *args, **kwargs):
 
 def moe_topk_layer_id(original, self, *args, **kwargs):
     """AROUND a sparse-MoE block's `__init__` (Mixtral): its TopK gets the block's `layer_id` if it has none.
-    (Dropped in the fifth session because the capture disagreed for every token: the EXL3 server was running
-    QuantMixtralForCausalLM, which has no TopK at all; see `mixtral_through_fused_moe`.)"""
+    (The two servers' captures can only agree because the EXL3 Mixtral keeps its real class and TopK:
+    see `mixtral_through_fused_moe`.)"""
     import inspect
 
     result = original(self, *args, **kwargs)

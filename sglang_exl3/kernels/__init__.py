@@ -1,8 +1,8 @@
-"""EXL3 GEMM backends behind one registered torch op (`torch.ops.exl3.gemm`).
+"""EXL3 GEMM backends behind registered torch ops (`torch.ops.exl3.gemm`, `gemm_group` and the MoE ops).
 
-Backends: `torch` (the reference codec: cached W_hat + matmul, runs anywhere), `exllamav3`
-(exllamav3's `exl3_gemm`, the GPU parity path) and `triton` (our trellis kernels, not yet measured).
-No SGLang import here.
+Backends: `cuda` (our kernels, `cuda_trellis.py`), `torch` (the reference codec: cached W_hat + matmul, runs
+anywhere), `exllamav3` (a prebuilt exllamav3 extension's `exl3_gemm`) and `triton` (`triton_trellis.py`).
+`backends.resolve_backend` picks one per device (docs/architecture.md). No SGLang import here.
 """
 
 from sglang_exl3.kernels.backends import Backend, resolve_backend

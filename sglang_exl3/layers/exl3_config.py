@@ -243,11 +243,25 @@ class Exl3Config(QuantizationConfig):
                              shared_h=spec.rotation_layout == "shared_h_v1")
 
 
-def _activate(config: Exl3Config) -> None:
-    """Tell the plugin hooks which EXL3 config the model about to be built uses."""
-    from sglang_exl3.integration.hooks import set_active_config
+_ACTIVE: Exl3Config | None = None  # the Exl3Config most recently created in this process
 
-    set_active_config(config)
+
+def _activate(config: Exl3Config | None) -> None:
+    """Record the EXL3 config of the model about to be built. SGLang builds each model (target, then draft) right
+    after creating its quantization config, and some of its model classes build their `ParallelLMHead` without
+    passing it on: the plugin's hooks read this to hand them the config (integration/hooks.py)."""
+    global _ACTIVE
+    _ACTIVE = config
+
+
+def active_config() -> Exl3Config | None:
+    """The EXL3 config of the model being built (None when the last model built was not EXL3)."""
+    return _ACTIVE
+
+
+def deactivate() -> None:
+    """A model that is not EXL3 is about to be built: no hook may hand it the last EXL3 model's config."""
+    _activate(None)
 
 
 def _is_moe(layer: torch.nn.Module) -> bool:

@@ -30,9 +30,10 @@ from sglang_exl3 import knobs
 from sglang_exl3.codec.linear import pad_input
 from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.trellis import reconstruct
-from sglang_exl3.format import Codebook, Exl3ModuleRecord
+from sglang_exl3.format import Exl3ModuleRecord
 from sglang_exl3.kernels.backends import Backend, resolve_backend
 from sglang_exl3.layers import output_check
+from sglang_exl3.layers.shard import Exl3Shard
 from sglang_exl3.layers.tp_slicing import Exl3Slice, slice_columns, slice_rows
 
 logger = logging.getLogger(__name__)
@@ -40,31 +41,6 @@ logger = logging.getLogger(__name__)
 SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 _PLACEHOLDER_DTYPES = {"trellis": torch.int16, "suh": torch.float16, "svh": torch.float16, "su": torch.int16,
                        "sv": torch.int16, "mcg": torch.int32, "mul1": torch.int32}
-
-
-@dataclass
-class Exl3Shard:
-    """One source matrix, ready to run on this rank."""
-
-    key: str
-    trellis: torch.Tensor
-    suh: torch.Tensor
-    svh: torch.Tensor
-    codebook: Codebook
-    out_features: int  # logical columns this shard contributes on this rank
-    w_hat: torch.Tensor | None = None
-    kernel_layout: bool = False  # trellis is in our CUDA kernels' [N/16, K/16, words] layout
-
-    @property
-    def in_features(self) -> int:
-        return self.trellis.shape[1 if self.kernel_layout else 0] * 16
-
-    @property
-    def launch_ready(self) -> bool:
-        """Can share launches with other sources on our kernels: kernel layout, output width untrimmed and whole
-        128-wide Hadamard blocks."""
-        n = self.trellis.shape[0] * 16
-        return self.kernel_layout and n == self.out_features and n % 128 == 0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from sglang_exl3.format.rank_sliced import ROLE_H_SIDE
 from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers import output_check
 from sglang_exl3.layers.linear import (
-    Exl3Shard,
     build_shard,
     prepare_for_backend,
     register_placeholders,
@@ -44,6 +43,7 @@ from sglang_exl3.layers.moe_kernels import (
     routed_forward,
 )
 from sglang_exl3.layers.moe_rotated import rotated_slab_forward
+from sglang_exl3.layers.shard import Exl3Shard
 from sglang_exl3.layers.tp_slicing import Exl3Slice, Exl3SliceError
 
 GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping

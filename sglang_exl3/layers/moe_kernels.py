@@ -21,36 +21,23 @@ import torch
 
 from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS
 from sglang_exl3.kernels.backends import Backend
-from sglang_exl3.layers.linear import Exl3Shard
+from sglang_exl3.layers.shard import Exl3Shard
 
 ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's shard ids)
-# Rows from which the prefill plan decodes every expert into the slab and runs fused_experts instead of the routed
-# forward. Both costs scale with an expert's size, so the crossover is (slab cost per expert / routed cost per
-# (token, expert) pair) x experts / top-k. Measured on the H200, Qwen3-30B-A3B layer, 4 bits (benchmarks/results/
-# moe-h200.md, --both-paths): the slab costs a flat ~8.5-9.3 ms (~70 µs per expert); expert-sorted tiles 0.34 µs
-# per pair at m = 512 and 0.22 µs at m = 4096 (7.1 ms, still below the slab's 9.3 ms): ratio ~300, crossover
-# ~4,800 rows. The fourth session's 38 (~600 rows) was measured against per-pair sources, before sorted tiles.
-SLAB_OVER_PAIR = 300
-MIN_DENSE_ROWS = 32
-
-
+MIN_SLAB_ROWS = 32  # below this many rows no layer decodes its whole expert set, whatever its shape
 # Rows from which the prefill plan runs the rotated slab (layers/moe_rotated.py: every expert's W_hat decoded once
-# into the slab, SGLang's Triton grouped GEMM between per-pair rotations) instead of expert-sorted tiles. H200,
-# Qwen3-30B-A3B layer, 4 bits (moe-h200-session9.md with --both-paths; sorted tiles with x in shared memory from
-# moe-h200.md): rotated 1,391 µs at 512 rows and 5,578 at 4,096, sorted 1,341 and 7,433: crossing near 600 rows,
-# ~37 (token, expert) pairs per expert. The dense slab (dense_forward, five passes per role) measured slower than
-# the rotated slab at every m (9.6-10.3 ms flat), so the plan no longer uses it.
+# into the slab, SGLang's Triton grouped GEMM between per-pair rotations) instead of expert-sorted tiles. Both costs
+# scale with an expert's size, so the crossover is a number of (token, expert) pairs per expert. H200, Qwen3-30B-A3B
+# layer, 4 bits, both paths in one run (benchmarks/results/moe-h200.md, --both-paths): sorted 1,357 µs vs rotated
+# 1,397 at 512 rows, 7,463 vs 5,614 at 4,096: crossing near 600 rows, ~37 pairs per expert. The dense slab
+# (dense_forward: the slab in the original basis, five passes per role, then fused_experts) measured slower than
+# the rotated slab at every m (9.6-10.4 ms flat), so the plan never takes it; benchmarks and GPU tests keep it.
 ROTATED_PAIRS_PER_EXPERT = 37
 
 
 def rotated_min_rows(experts: int, topk: int) -> int:
     """The first row count at which the rotated slab is cheaper than expert-sorted tiles for this layer."""
-    return max(MIN_DENSE_ROWS, -(-ROTATED_PAIRS_PER_EXPERT * experts // max(topk, 1)))
-
-
-def dense_min_rows(experts: int, topk: int) -> int:
-    """The first row count at which the dense slab is cheaper than routed pairs for this layer."""
-    return max(MIN_DENSE_ROWS, -(-SLAB_OVER_PAIR * experts // max(topk, 1)))
+    return max(MIN_SLAB_ROWS, -(-ROTATED_PAIRS_PER_EXPERT * experts // max(topk, 1)))
 
 
 @dataclass

@@ -11,15 +11,12 @@ Slow (host syncs, fp32 matmuls): a debugging aid, never on by default; skipped i
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from sglang_exl3.codec.hadamard import had_r_128
 from sglang_exl3.codec.trellis import reconstruct
-
-if TYPE_CHECKING:
-    from sglang_exl3.layers.linear import Exl3Shard
+from sglang_exl3.layers.shard import Exl3Shard
 
 logger = logging.getLogger(__name__)
 

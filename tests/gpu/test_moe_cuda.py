@@ -33,8 +33,8 @@ def _layer(bits_per_expert=(4,) * EXPERTS, shared_h: bool = False):
     suh, down svh), as a rank-sliced shared_h_v1 checkpoint stores them (each expert still gets its own copy)."""
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.kernels.cuda_trellis import prepare
-    from sglang_exl3.layers.linear import Exl3Shard
     from sglang_exl3.layers.moe_kernels import build_tiers
+    from sglang_exl3.layers.shard import Exl3Shard
 
     gen = torch.Generator().manual_seed(11)
     experts, cpu = [], []
