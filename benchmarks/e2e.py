@@ -1,9 +1,10 @@
 """End-to-end serving speed: a Llama-3-8B-shaped EXL3 checkpoint (random trellis, written on the GPU
 machine by the fixture writer, 2/3/4 bits) against the same weights dequantized to bf16, both served
 by SGLang with CUDA graphs. Decode tokens/s at batch 1, 8, 64; prefill tokens/s on 2048-token
-prompts; time to ready; GPU memory after load. Writes benchmarks/results/e2e-<gpu>.{json,md}.
+prompts; time to ready; GPU memory after load. Writes benchmarks/results/e2e-<gpu>.{json,md,png}.
 
   python benchmarks/e2e.py [--bits 2,3,4] [--backend cuda|torch|exllamav3|triton] [--workdir /tmp/e2e]
+  python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
 """
 
 from __future__ import annotations
@@ -68,6 +69,29 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         stop(proc)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Decode tokens/s per batch size, one bar per model (the EXL3 rows and their bf16 twin side by side)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(rows), 1)
+    for i, row in enumerate(rows):
+        xs = [j + i * width for j in range(len(DECODE_BATCHES))]
+        ax.bar(xs, [row.get(f"decode_bs{b}_tok_s") or 0 for b in DECODE_BATCHES], width, label=row["model"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(DECODE_BATCHES))], [f"batch {b}" for b in DECODE_BATCHES])
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s (higher is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bits", default="2,3,4")
@@ -77,7 +101,12 @@ def main() -> int:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
                     help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
                          "disk that holds it)")
+    ap.add_argument("--replot", type=Path, help="redraw the plot beside this results JSON and exit")
     args = ap.parse_args()
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        plot(data["rows"], args.replot.with_suffix(".png"), _title(data["header"]))
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks/e2e.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -106,8 +135,13 @@ def main() -> int:
                                           {}, work, 32100))
             print("ROW " + json.dumps(rows[-1]), flush=True)
     cols = ["model", "ready_s", "weights_gb", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES], "prefill_tok_s"]
-    write_results("e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}", head, rows, cols)
+    path = write_results("e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}", head, rows, cols)
+    plot(rows, path.with_suffix(".png"), _title(head))
     return 0
+
+
+def _title(head: dict) -> str:
+    return f"{head.get('shape', '')} served by SGLang on the {head['gpu'].replace('NVIDIA ', '')}"
 
 
 if __name__ == "__main__":

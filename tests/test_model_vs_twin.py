@@ -6,8 +6,8 @@ loader: `sglang_cpu.load_as_server`); the twin is what `python -m sglang_exl3 de
 tensor must load identically, every EXL3 linear (fused qkv, o_proj, lm_head, ...) must compute x @ W_twin^T, and
 every MoE layer must compute the twin's experts on the same routing. On the CPU the torch backend runs; on a GPU
 machine the same test runs our CUDA kernels, and the MoE row counts cover each path the plan picks there (one
-source per pair, expert-sorted tiles, the dense slab + fused_experts). The rank-sliced fixture is the one whose
-server returned NaN logprobs on the H200 (written exactly as `tests/gpu/h200_session.sh parity-rs` writes it).
+source per pair, expert-sorted tiles, the rotated slab). The rank-sliced fixture is written exactly as the GPU step
+`tests/gpu/h200_steps.sh parity-rs` writes it, so what the server loads is what is checked here.
 """
 
 from __future__ import annotations

@@ -445,7 +445,7 @@ def test_rank_sliced_checkpoint_is_not_claimed_when_the_user_asks_for_another_me
 def test_rank_sliced_tensors_without_their_claim_fail_at_load(tmp_path):
     """SGLang's loader builds the quantization config from hf_config.quantization_config, which lacked the
     hybrid_tr3_tail claim: the `.rank{r}` expert tensors then matched no layer, the experts were built unquantized
-    and the server answered NaN (seventh session). The server's path now carries the claim (first half); a config
+    and the server answered NaN. The server's path now carries the claim (first half); a config
     that still arrives without it stops the load, naming what is missing (second half)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig

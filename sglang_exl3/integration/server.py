@@ -25,8 +25,8 @@ def free_port() -> int:
 
 def launch(model_path: str | Path, port: int, extra: list[str] | tuple[str, ...] = (),
            env: dict[str, str] | None = None, log_path: str | Path | None = None) -> subprocess.Popen:
-    """Start a server in its own session. A port that is already taken is refused here: otherwise a server left
-    running by an earlier run answers the health check and is mistaken for the new one."""
+    """Start a server in a process group of its own (setsid). A port that is already taken is refused here: otherwise
+    a server left running by an earlier run answers the health check and is mistaken for the new one."""
     with socket.socket() as probe:
         # as the server binds (SO_REUSEADDR): a port left in TIME_WAIT by the last run's connections is free
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -12,9 +12,9 @@ BLOCK_M (128-256) rows and feeds them to `tl.dot` (wgmma on Hopper), so no fp16 
 reconstruct + cuBLAS. It reads the CUDA kernels' prepare()d layout.
 
 Status: correctness verified against the reference codec in Triton's interpreter on CPU
-(tests/test_triton_trellis.py). On the H200 the small-m split-K kernel lost to the CUDA kernels (NOTES, second
-session), and `triton_gemm_tiles` measured 4-8x bf16 cuBLAS at m = 256/2048, slower than reconstruct + cuBLAS
-(benchmarks/results/prefill-h200.md, NOTES ninth session).
+(tests/test_triton_trellis.py). On the H200 the small-m split-K kernel lost to the CUDA kernels (docs/decisions.md),
+and `triton_gemm_tiles` measured 4-8x bf16 cuBLAS at m = 256/2048, slower than reconstruct + cuBLAS
+(benchmarks/results/prefill-h200.md).
 """
 
 from __future__ import annotations

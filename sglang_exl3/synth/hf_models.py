@@ -37,7 +37,7 @@ TINY_ARCHS: dict[str, dict] = {
         intermediate_size=512, moe_intermediate_size=128, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
         # kv_lora_rank + qk_rope_head_dim = 288: a split SGLang's Triton MLA decode kernel knows (576 or 288; other
-        # sums fail to compile at graph capture, seventh session)
+        # sums fail to compile at graph capture)
         q_lora_rank=64, kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
         routed_scaling_factor=2.5, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
         norm_topk_prob=True, max_position_embeddings=512,

@@ -229,9 +229,9 @@ def main() -> int:
     return 0 if ok else 1
 
 
-# Models compared by the strict rule, without routing-aware excuses (none now). Mixtral was one until the eighth
-# session: its EXL3 server ran SGLang's QuantMixtralForCausalLM (no TopK, so no capture) while the fp16 twin ran
-# MixtralForCausalLM; the plugin now keeps MixtralForCausalLM and hands its TopK the layer id.
+# Models compared by the strict rule, without routing-aware excuses (none now). Mixtral was one while its EXL3
+# server ran SGLang's QuantMixtralForCausalLM (no TopK, so no capture) and the fp16 twin MixtralForCausalLM; the
+# plugin now keeps MixtralForCausalLM and hands its TopK the layer id.
 NO_ROUTED_CAPTURE: set[str] = set()
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's steps on the warm machine (NOTES.md "GPU procedure"); several steps may share one `run` call:
-#   bash tests/gpu/h200_session.sh STEP [STEP ...]
+# The GPU steps (docs/gpu.md), run on the warm machine; several steps may share one `run` call:
+#   bash tests/gpu/h200_steps.sh STEP [STEP ...]
 # kernels   carry .devbundle/a1 .kbuild   unpack bundle part a1; kernel tests (torch only)
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
