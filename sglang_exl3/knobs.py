@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
+
 PREFIX = "SGLANG_EXL3_"
 
 
@@ -22,7 +24,7 @@ class KnobError(ValueError):
 class Knob:
     name: str  # without the prefix
     default: object
-    kind: str  # "choice", "positive_int", "flag", "path"
+    kind: str  # "choice", "positive_int", "flag", or a native-code path: "native_file", "native_file_or_dir"
     choices: tuple[str, ...] = ()
     help: str = ""
     vllm_name: str | None = None
@@ -58,10 +60,11 @@ class Knob:
             if raw not in ("0", "1"):
                 raise KnobError(f"{self.env} must be 0 or 1 or unset, got {raw!r}")
             return raw == "1"
-        if self.kind == "path":
-            if not os.path.exists(raw):
-                raise KnobError(f"{self.env} points to {raw!r}, which does not exist")
-            return raw
+        if self.kind in ("native_file", "native_file_or_dir"):  # loaded into every server process
+            try:
+                return check_native_path(raw, self.env, self.kind.removeprefix("native_"))
+            except UnsafeNativePath as e:
+                raise KnobError(str(e)) from None
         raise AssertionError(self.kind)
 
 
@@ -69,10 +72,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("BACKEND", "auto", "choice", ("auto", "cuda", "triton", "exllamav3", "torch"),
          "dense GEMM backend: auto = our CUDA kernels (built on first use where nvcc exists), else a prebuilt "
          "exllamav3 extension, else the torch reference"),
-    Knob("KERNEL_LIB", None, "path", help="prebuilt libexl3_trellis .so (else the per-user build cache)"),
+    Knob("KERNEL_LIB", None, "native_file", help="prebuilt libexl3_trellis .so (else the per-user build cache)"),
     Knob("AUTO_BUILD", True, "flag", help="auto backend: compile our CUDA kernels at first load when nvcc is "
          "found and none are built (~1-2 min, once per GPU arch and source version; 0: never compile in a server)"),
-    Knob("EXT_PATH", None, "path", help="folder or .so of a prebuilt exllamav3_ext to import",
+    Knob("EXT_PATH", None, "native_file_or_dir", help="folder or .so of a prebuilt exllamav3_ext to import",
          vllm_name="VLLM_EXL3_EXT_PATH"),
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),

@@ -16,12 +16,14 @@ DENSE_CKPTS = [p for p in EXLLAMAV3_CKPTS if "moe" not in p.name and "mixtral" n
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    long_fuzz = "fuzz_long" in (config.getoption("-m") or "")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_long = pytest.mark.skip(reason="the long fuzzing run: pytest -m fuzz_long")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "fuzz_long" in item.keywords and not long_fuzz:
+            item.add_marker(skip_long)
 
 
 @pytest.fixture(scope="session")

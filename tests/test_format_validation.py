@@ -29,6 +29,14 @@ def _drop(name):
     return fn
 
 
+def _listed(name, value):
+    """Add a tensor that the module's sidecar entry lists too (as exllamav3 writes legacy signs and biases)."""
+    def fn(t, s, c):
+        t[name] = value
+        s["tensor_storage"][Q]["stored_tensors"][name] = {"shape": list(value.shape), "dtype": str(value.dtype)}
+    return fn
+
+
 def _replace(name, value):
     """Change a tensor and keep the sidecar's shape in step, so only the tensor rule fires."""
     def fn(t, s, c):
@@ -155,8 +163,8 @@ def test_valid_fixture_has_no_problems(tiny_ckpt):
 
 
 def test_legacy_signs_and_bias_are_accepted(tiny_ckpt):
-    mutate(tiny_ckpt, _both(_drop(f"{Q}.suh"), _drop(f"{Q}.svh"), _set(f"{Q}.su", _signs(256)),
-                            _set(f"{Q}.sv", _signs(256)), _set(f"{Q}.bias", torch.ones(256, dtype=torch.float32))))
+    mutate(tiny_ckpt, _both(_drop(f"{Q}.suh"), _drop(f"{Q}.svh"), _listed(f"{Q}.su", _signs(256)),
+                            _listed(f"{Q}.sv", _signs(256)), _set(f"{Q}.bias", torch.ones(256, dtype=torch.float32))))
     rec = load_checkpoint(tiny_ckpt).modules[Q]
     assert rec.legacy_signs and rec.has_bias
 
@@ -221,3 +229,83 @@ def test_sharded_checkpoint_with_index(tmp_path):
         weight_map.update({n: file for n in part})
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert len(load_checkpoint(ckpt).modules) == 8
+
+
+@pytest.mark.parametrize("scale", ["suh", "svh"])
+def test_exl3_record_must_list_its_scales(tiny_ckpt, scale):
+    """The sidecar's record of an EXL3 module lists the trellis and both scales (the tensors may still be there)."""
+    mutate(tiny_ckpt, _storage(lambda e: e["stored_tensors"].pop(f"{Q}.{scale}")))
+    with pytest.raises(Exl3FormatError, match=rf"{Q}.{scale}: the EXL3 record in quantization_config.json does "
+                                              rf"not list {scale} or {scale[:2]}\b"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_truncated_shard_is_named(tiny_ckpt):
+    """A partial download: the file is named as truncated, and no misleading per-module problem follows."""
+    shard = tiny_ckpt / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    with pytest.raises(Exl3FormatError) as info:
+        load_checkpoint(tiny_ckpt)
+    (problem,) = info.value.problems
+    assert "model.safetensors" in str(problem) and "the file is truncated" in str(problem)
+    assert "copy the file again" in str(problem)
+
+
+@pytest.mark.parametrize("cut, words", [(5, "fewer than the 8-byte length"), (20, "truncated or not a safetensors")])
+def test_shard_cut_inside_its_header(tiny_ckpt, cut, words):
+    shard = tiny_ckpt / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:cut])
+    with pytest.raises(Exl3FormatError, match=f"model.safetensors: .*{words}"):
+        load_checkpoint(tiny_ckpt)
+
+
+def _rewrite_header(shard, edit):
+    import struct
+
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda h: h[f"{Q}.suh"].update(dtype="F32"), rf"tensor {Q}.suh: data_offsets span 512 bytes, but F32 \[256\]"),
+    (lambda h: h[f"{Q}.suh"].update(shape=[-1]), rf"tensor {Q}.suh: shape \[-1\] is not a list"),
+    (lambda h: h[f"{Q}.suh"].update(data_offsets=[8, 4]), rf"tensor {Q}.suh: data_offsets \[8, 4\] is not"),
+    (lambda h: h.update(extra=[1, 2]), "tensor extra: header entry is list, not an object"),
+], ids=["dtype", "shape", "offsets", "entry"])
+def test_malformed_header_entries_are_named(tiny_ckpt, edit, words):
+    _rewrite_header(tiny_ckpt / "model.safetensors", edit)
+    with pytest.raises(Exl3FormatError, match=f"model.safetensors, {words}"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_a_tensor_in_two_shards_is_refused(tiny_ckpt):
+    from safetensors.torch import save_file
+
+    save_file({f"{Q}.suh": torch.ones(256, dtype=torch.float16)}, str(tiny_ckpt / "zz-extra.safetensors"))
+    with pytest.raises(Exl3FormatError, match=rf"zz-extra.safetensors, tensor {Q}.suh: holds {Q}.suh, which "
+                                              r"model.safetensors holds too"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_index_naming_a_missing_shard(tiny_ckpt):
+    (tiny_ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(Exl3FormatError, match="model-00002-of-00002.safetensors: is listed in "
+                                              "model.safetensors.index.json but missing"):
+        load_checkpoint(tiny_ckpt)
+    (tiny_ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    with pytest.raises(Exl3FormatError, match=r"names the file '../x.safetensors', which is not a file beside it"):
+        load_checkpoint(tiny_ckpt)
+
+
+def test_bits_per_weight_must_be_a_number(tiny_ckpt):
+    """Found by tests/test_fuzz.py: a bits_per_weight object raised TypeError in the comparison."""
+    mutate(tiny_ckpt, _storage(lambda e: e.update(bits_per_weight={"4": 4})))
+    with pytest.raises(Exl3FormatError, match=rf"{Q}: quantization_config.json says bits_per_weight={{'4': 4}}, "
+                                              "which is not a number"):
+        load_checkpoint(tiny_ckpt)

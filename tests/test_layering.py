@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sglang_exl3"
 
 # Lowest first. A package may import from any package on a lower level, never from its own level or above.
 LEVELS = {
-    "knobs": 0,
+    "native_paths": 0,
+    "knobs": 1,
     "format": 1,
     "codec": 2,
     "kernels": 3, "synth": 3, "tools": 3,

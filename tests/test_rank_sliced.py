@@ -52,6 +52,11 @@ def test_claimed_even_under_another_quant_method():
     ({"rotation_layout": "per_row"}, "rotation_layout must be one of"),
     ({"rotation_layout": "shared_h_v1"}, "requires shared_h_tensor_schema"),
     ({"shared_h_tensor_schema": rs.SHARED_H_SCHEMA}, "without rotation_layout='shared_h_v1'"),
+    # JSON true is not a count or an index (found by tests/test_fuzz.py)
+    ({"experts_per_layer": True}, "experts_per_layer and tp must be positive integers"),
+    ({"tp": True}, "experts_per_layer and tp must be positive integers"),
+    ({"moe_layers": [0, True]}, "moe_layers must be [first, last]"),
+    ({"bits": "mixed", "k_values": [True, 3]}, "requires k_values: integers within 2..6"),
 ])
 def test_rejections(changes, message):
     with pytest.raises(rs.RankSlicedError) as info:
@@ -72,6 +77,20 @@ def test_mixed_bitrate_map(tmp_path):
         rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="bits.json:k"), tmp_path)
     with pytest.raises(rs.RankSlicedError, match="cannot read"):
         rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="nope.json:k"), tmp_path)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "bits.json: must hold a JSON object of layer -> {field: bitrates}, got list"),
+    ("\"k\"", "bits.json: must hold a JSON object"),
+    ("{\"1\": {\"k\": [3, 3, 3, true]}, \"2\": {\"k\": [3, 3, 3, 3]}}", "layer 1 uses K=True"),
+    ("\xff", "cannot read hybrid_tr3_tail.bits_per_expert file bits.json"),
+])
+def test_malformed_bits_per_expert_files(tmp_path, content, message):
+    """Found by tests/test_fuzz.py: a bits_per_expert file that is JSON but not an object raised AttributeError."""
+    (tmp_path / "bits.json").write_bytes(content.encode("latin-1"))
+    with pytest.raises(rs.RankSlicedError) as info:
+        rs.parse(cfg(bits="mixed", k_values=[3, 4], bits_per_expert="bits.json:k"), tmp_path)
+    assert message in str(info.value)
 
 
 def test_runtime_checks():

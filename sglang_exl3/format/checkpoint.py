@@ -50,12 +50,14 @@ class Exl3Checkpoint:
 
     @property
     def tensor_storage(self) -> dict:
-        return (self.sidecar or {}).get("tensor_storage") or {}
+        """The sidecar's per-module map ({} when absent or malformed: validation reports that)."""
+        storage = (self.sidecar or {}).get("tensor_storage")
+        return storage if isinstance(storage, dict) else {}
 
     @property
     def architecture(self) -> str:
-        archs = self.config.get("architectures") or ["?"]
-        return archs[0]
+        archs = self.config.get("architectures")
+        return str(archs[0]) if isinstance(archs, list) and archs else "?"
 
     def plain_tensor_names(self) -> list[str]:
         """Tensors that belong to no EXL3 module (embeddings, norms, routers, unquantized heads)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from sglang_exl3.format.checkpoint import Exl3Checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
 from sglang_exl3.format.errors import Exl3FormatError, Problem
-from sglang_exl3.format.safetensors_index import scan_tensors
+from sglang_exl3.format.safetensors_index import ShardError, scan_tensors
 from sglang_exl3.format.validate import validate_checkpoint
 
 
@@ -21,13 +21,19 @@ def _read_json(path: Path, problems: list[Problem], fix: str) -> dict | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON
         problems.append(Problem(f"cannot parse {path.name}: {e}", fix=fix))
         return None
     if not isinstance(data, dict):
         problems.append(Problem(f"{path.name} must hold a JSON object", fix=fix))
         return None
     return data
+
+
+def _summary(config: dict | None) -> dict:
+    """config.json's quantization_config block, or {} where there is none (its problems are validation's)."""
+    block = (config or {}).get("quantization_config")
+    return block if isinstance(block, dict) else {}
 
 
 def load_checkpoint(path: str | Path, strict: bool = True) -> Exl3Checkpoint:
@@ -42,18 +48,22 @@ def load_checkpoint(path: str | Path, strict: bool = True) -> Exl3Checkpoint:
     sidecar = _read_json(path / SIDECAR_NAME, problems, f"regenerate {SIDECAR_NAME} with exllamav3")
     try:
         tensors = scan_tensors(path)
-    except (OSError, ValueError, KeyError) as e:
-        problems.append(Problem(f"cannot read safetensors headers: {e}"))
-        tensors = {}
+    except ShardError as e:  # its message names the file, the tensor and the fix
+        problems.append(Problem(str(e)))
+        tensors = None
+    except OSError as e:
+        problems.append(Problem(f"cannot read the safetensors files: {e}", fix="check the folder's permissions"))
+        tensors = None
     ckpt = Exl3Checkpoint(
         path=path,
         config=config or {},
-        quantization_config=(config or {}).get("quantization_config") or {},
+        quantization_config=_summary(config),
         sidecar=sidecar,
-        tensors=tensors,
+        tensors=tensors or {},
         problems=problems,
     )
-    validate_checkpoint(ckpt)
+    if tensors is not None:  # a shard that cannot be read leaves nothing meaningful to check per module
+        validate_checkpoint(ckpt)
     if strict and ckpt.problems:
         raise Exl3FormatError(ckpt.problems, source=f"EXL3 checkpoint {path}")
     return ckpt

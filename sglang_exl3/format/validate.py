@@ -69,34 +69,54 @@ def _exl3_config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     return out
 
 
+def _storage_entries(ckpt: Exl3Checkpoint):
+    """(key, entry, stored_tensors) of every well-formed tensor_storage entry (_storage_problems reports the rest)."""
+    for key, entry in ckpt.tensor_storage.items():
+        if isinstance(entry, dict) and isinstance(entry.get("stored_tensors", {}), dict):
+            yield key, entry, entry.get("stored_tensors", {})
+
+
+def _is_exl3_entry(key: str, entry: dict, stored: dict) -> bool:
+    return entry.get("quant_format") == "exl3" or f"{key}.trellis" in stored
+
+
 def _module_keys(ckpt: Exl3Checkpoint) -> list[str]:
     """Per-module EXL3 keys. A rank-sliced checkpoint's `.rank{r}` expert slices are not per-module EXL3: they
     follow `hybrid_tr3_tail` (format/rank_sliced.py) and are left out here."""
     keys = {n[: -len(".trellis")] for n in ckpt.tensors if n.endswith(".trellis")}
     if claims(ckpt.config):
         keys = {k for k in keys if not RANK_SLICED_WEIGHT_RE.match(f"{k}.trellis")}
-    for key, entry in ckpt.tensor_storage.items():
-        stored = (entry or {}).get("stored_tensors") or {}
-        if (entry or {}).get("quant_format") == "exl3" or f"{key}.trellis" in stored:
-            keys.add(key)
+    keys |= {key for key, entry, stored in _storage_entries(ckpt) if _is_exl3_entry(key, entry, stored)}
     return sorted(keys)
 
 
+# What every EXL3 record of tensor_storage must list (the reference's rule): the trellis and both scales.
+REQUIRED_STORED = (("trellis",), ("suh", "su"), ("svh", "sv"))
+
+
 def _storage_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
-    """tensor_storage must describe the files: every listed tensor exists with that shape."""
+    """tensor_storage must describe the files: every listed tensor exists with that shape, and every EXL3 record
+    lists its trellis and both scales."""
     out = []
     for key, entry in ckpt.tensor_storage.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors", {}), dict):
             out.append(Problem("tensor_storage entry is not an object with stored_tensors", module=key,
                                fix=f"regenerate {SIDECAR_NAME} with exllamav3"))
-            continue
-        for name, meta in entry.get("stored_tensors", {}).items():
+    for key, entry, stored in _storage_entries(ckpt):
+        if _is_exl3_entry(key, entry, stored):
+            for names in REQUIRED_STORED:
+                if not any(f"{key}.{n}" in stored for n in names):
+                    out.append(Problem(f"the EXL3 record in {SIDECAR_NAME} does not list {' or '.join(names)}",
+                                       module=key, tensor=f"{key}.{names[0]}",
+                                       fix=f"regenerate {SIDECAR_NAME} with exllamav3"))
+        for name, meta in stored.items():
             info = ckpt.tensors.get(name)
+            shape = meta.get("shape") if isinstance(meta, dict) else None
             if info is None:
                 out.append(Problem(f"listed in {SIDECAR_NAME} but missing from the safetensors files",
                                    module=key, tensor=name, fix="copy every shard of the checkpoint"))
-            elif isinstance(meta, dict) and "shape" in meta and tuple(meta["shape"]) != info.shape:
-                out.append(Problem(f"shape {list(info.shape)} in the file but {meta['shape']} in "
+            elif shape is not None and (not isinstance(shape, list) or tuple(shape) != info.shape):
+                out.append(Problem(f"shape {list(info.shape)} in the file but {shape!r} in "
                                    f"{SIDECAR_NAME}", module=key, tensor=name,
                                    fix="the sidecar and the shards come from different exports"))
     return out
@@ -201,9 +221,13 @@ def check_module(ckpt: Exl3Checkpoint, key: str) -> tuple[Exl3ModuleRecord | Non
         out.append(Problem(f"bias must be a float vector of length N={n}, got {bias.torch_dtype_name} "
                            f"{list(bias.shape)}", module=key, tensor=bias.name, fix=REEXPORT))
     # The sidecar's per-module summary must agree with the tensors.
-    entry = ckpt.tensor_storage.get(key) or {}
+    entry = ckpt.tensor_storage.get(key)
+    entry = entry if isinstance(entry, dict) else {}
     bpw = entry.get("bits_per_weight")
-    if bpw is not None and bits is not None and float(bpw) != float(bits):
+    if bpw is not None and (isinstance(bpw, bool) or not isinstance(bpw, (int, float))):
+        out.append(Problem(f"{SIDECAR_NAME} says bits_per_weight={bpw!r}, which is not a number", module=key,
+                           fix="the sidecar and the shards disagree"))
+    elif bpw is not None and bits is not None and float(bpw) != float(bits):
         out.append(Problem(f"{SIDECAR_NAME} says bits_per_weight={bpw} but the trellis holds {bits}",
                            module=key, tensor=trellis.name, fix="the sidecar and the shards disagree"))
     for marker in MARKER_VALUES:

@@ -26,6 +26,7 @@ import torch
 
 from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook
+from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
 ABI_VERSION = 11
@@ -114,12 +115,25 @@ def build_library(out: Path | None = None, arch: str | None = None, verbose: boo
 
 
 def library_path() -> Path | None:
-    """The library that `load_library` would open, or None if there is none yet."""
+    """The library that `load_library` would open, or None if there is none yet. SGLANG_EXL3_KERNEL_LIB is checked
+    by its knob; a cached library must pass the same rules (native_paths), and so must the cache folder."""
     explicit = knobs.get("KERNEL_LIB")
     if explicit:
         return Path(explicit)
     path = cache_path()
-    return path if path.exists() else None
+    if not path.exists():
+        return None
+    _check_cache(path.parent)
+    _check_cache(path, "file")
+    return path
+
+
+def _check_cache(path: Path, kind: str = "dir") -> None:
+    try:
+        check_native_path(str(path), "the EXL3 kernel build cache", kind)
+    except UnsafeNativePath as e:
+        raise KernelLibraryUnavailable(f"{e}; or set XDG_CACHE_HOME to a folder only you can write, or "
+                                       "SGLANG_EXL3_KERNEL_LIB to a prebuilt library") from None
 
 
 def load_library(build: bool = False) -> ctypes.CDLL:
@@ -142,10 +156,13 @@ def build_cached_library(arch: str | None = None) -> Path:
 
     path = cache_path(arch)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_cache(path.parent)  # what is built here is loaded into every server process
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
+            if path.exists():
+                _check_cache(path, "file")
+            else:
                 logging.getLogger(__name__).warning(
                     "sglang-exl3: compiling the EXL3 CUDA kernels for sm_%s into %s (once; 1-2 minutes)",
                     _arch_tag(arch), path)
