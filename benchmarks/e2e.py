@@ -1,9 +1,12 @@
 """End-to-end serving speed: a Llama-3-8B-shaped EXL3 checkpoint (random trellis, written on the GPU
 machine by the fixture writer, 2/3/4 bits) against the same weights dequantized to bf16, both served
 by SGLang with CUDA graphs. Decode tokens/s at batch 1, 8, 64; prefill tokens/s on 2048-token
-prompts; time to ready; GPU memory after load. Writes benchmarks/results/e2e-<gpu>.{json,md,png}.
+prompts; time to ready; GPU memory after load; the KV-cache tokens each server sized at the same
+--mem-fraction-static (the memory EXL3 saves becomes cache). Writes benchmarks/results/e2e-<gpu>.{json,md,png},
+again after every row, so a run cut short keeps what it measured.
 
   python benchmarks/e2e.py [--bits 2,3,4] [--backend cuda|torch|exllamav3|triton] [--workdir /tmp/e2e]
+                           [--variant SGLANG_EXL3_FUSED_MAX_M=32 ...]  (the first EXL3 model again, with that env)
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
 """
 
@@ -36,6 +39,11 @@ def _weights_mem_gb(log: Path) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def _kv_tokens(log: Path) -> int | None:
+    m = re.search(r"max_total_num_tokens=(\d+)", log.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
+
+
 def measure(base: str) -> dict:
     out = {}
     ids = [[(i * 37 + j * 11) % 120000 + 100 for j in range(32)] for i in range(max(DECODE_BATCHES))]
@@ -64,6 +72,7 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         row = {"model": label, "ready_s": time.time() - t0}
         row.update(measure(f"http://127.0.0.1:{port}"))
         row["weights_gb"] = _weights_mem_gb(log)
+        row["kv_tokens"] = _kv_tokens(log)
         return row
     finally:
         stop(proc)
@@ -102,6 +111,9 @@ def main() -> int:
                     help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
                          "disk that holds it)")
     ap.add_argument("--replot", type=Path, help="redraw the plot beside this results JSON and exit")
+    ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                    help="serve the first EXL3 model again with these SGLANG_EXL3_* settings (repeatable): an A/B in "
+                         "the same run")
     args = ap.parse_args()
     if args.replot:
         data = json.loads(args.replot.read_text())
@@ -118,25 +130,34 @@ def main() -> int:
     arch = SHAPES[args.shape][0]
     codebook = "mcg" if arch == "qwen3_moe" else "mul1"
     rows, py = [], sys.executable
+    cols = ["model", "ready_s", "weights_gb", "kv_tokens", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES],
+            "prefill_tok_s"]
+    name = "e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}"
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print("ROW " + json.dumps(row), flush=True)
+        path = write_results(name, head, rows, cols)
+        plot(rows, path.with_suffix(".png"), _title(head))
+
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):
         ckpt = work / f"{args.shape}-exl3-{bits}bpw"
         if not ckpt.exists():
             subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--arch", arch, "--shape", args.shape,
                             "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
-        rows.append(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"],
-                                      {"SGLANG_EXL3_BACKEND": args.backend}, work, 32000 + i))
-        print("ROW " + json.dumps(rows[-1]), flush=True)  # survives a run cut short
+        exl3_env = {"SGLANG_EXL3_BACKEND": args.backend}
+        add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i))
+        for j, variant in enumerate(args.variant if i == 0 else []):
+            env = dict(kv.split("=", 1) for kv in variant.split(","))
+            add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
+                                  {**exl3_env, **env}, work, 32200 + j))
         if i == 0 and not args.skip_bf16:
             dense = work / f"{args.shape}-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
-            rows.append(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"],
-                                          {}, work, 32100))
-            print("ROW " + json.dumps(rows[-1]), flush=True)
-    cols = ["model", "ready_s", "weights_gb", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES], "prefill_tok_s"]
-    path = write_results("e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}", head, rows, cols)
-    plot(rows, path.with_suffix(".png"), _title(head))
+            add(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"], {},
+                                  work, 32100))
     return 0
 
 

@@ -192,6 +192,22 @@ def test_mixed_packed_sources_are_rejected(tmp_path):
                                    prefix="model.layers.0.mlp.gate_up_proj")
 
 
+def test_truncated_shard_stops_the_load_naming_the_file(tmp_path):
+    """SGLang builds the quantization config before it builds the model, so a partial download stops the server at
+    startup (never mid-serve), with the file named as truncated."""
+    import shutil
+
+    from sglang_exl3.format import Exl3FormatError
+
+    path = tmp_path / "partial"
+    shutil.copytree(DENSE_CKPTS[0], path, ignore=shutil.ignore_patterns("oracle"))
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:len(shard.read_bytes()) // 2])
+    with pytest.raises(Exl3FormatError, match=r"model.safetensors, tensor .*: the tensor's data ends at byte .* but "
+                                              r"the file holds .* bytes: the file is truncated"):
+        exl3_config(path)
+
+
 def test_bad_knob_fails_model_load(monkeypatch):
     from sglang_exl3.knobs import KnobError
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU steps (docs/gpu.md), run on the warm machine; several steps may share one `run` call:
 #   bash tests/gpu/h200_steps.sh STEP [STEP ...]
-# kernels   carry .devbundle/a1 .kbuild   unpack bundle part a1; kernel tests (torch only)
+# kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only); unpacks bundle part a1 when carried
+# site1     carry .devbundle/a1           unpack bundle part a1 (the tree + a1 + .kbuild exceed one call's 64 MiB)
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
 #           [.exl3so]                     .exl3so/exllamav3_ext.so.xz when carried, else built in the background
+#                                         (EXL3_EXT_BUILD=0: no build, for calls that do not need exllamav3)
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
@@ -12,6 +14,9 @@
 #                                         exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced fixture; GLM-4.5 / DeepSeek-V3
 #                                         hybrids (shared experts); a dense Llama / Qwen3-MoE with piecewise prefill graphs
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
+#                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
+# load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
+#                                         concurrency 64 with aborted streams and over-context prompts ($LOAD_ARGS)
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
@@ -20,7 +25,12 @@
 set -uo pipefail
 rm -rf /tmp/gpuout
 export PYTHONUNBUFFERED=1
-export SGLANG_EXL3_KERNEL_LIB=${SGLANG_EXL3_KERNEL_LIB:-$PWD/.kbuild/libexl3_trellis.so}
+# The kernel library is loaded into every server process, so SGLANG_EXL3_KERNEL_LIB must name a file that only its
+# owner can write, with no symlink on the way (sglang_exl3/native_paths.py): install the carried build there.
+if [ -z "${SGLANG_EXL3_KERNEL_LIB:-}" ] && [ -f .kbuild/libexl3_trellis.so ]; then
+  install -d -m 755 /opt/sglang-exl3 && install -m 644 .kbuild/libexl3_trellis.so /opt/sglang-exl3/
+fi
+export SGLANG_EXL3_KERNEL_LIB=${SGLANG_EXL3_KERNEL_LIB:-/opt/sglang-exl3/libexl3_trellis.so}
 mkdir -p /tmp/site /tmp/exl3so
 
 site_env() {  # what .devbundle/*/stage.sh exports, for calls that no longer carry the bundle
@@ -47,7 +57,7 @@ run_step() {
   mkdir -p "$work"
   case $1 in
   kernels)
-    tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site
+    if [ -f .devbundle/a1/site1.tar.xz ]; then tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site; fi
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$work/gpu.txt"
     PYTHONPATH=$PWD python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
       tests/gpu/test_codec_cuda.py 2>&1 | tee "$work/pytest.txt" | tail -20
@@ -60,7 +70,7 @@ run_step() {
     pip install -q --no-deps --no-build-isolation --no-index . >"$work/pip.txt" 2>&1 || cat "$work/pip.txt"
     if [ -f .exl3so/exllamav3_ext.so.xz ]; then
       xz -dc .exl3so/exllamav3_ext.so.xz >/tmp/exl3so/exllamav3_ext.so && echo "exllamav3_ext: prebuilt"
-    else  # ~6 min, while other steps run
+    elif [ "${EXL3_EXT_BUILD:-1}" = 1 ]; then  # ~6 min, while other steps run (EXL3_EXT_BUILD=0: not needed)
       setsid nohup bash -c 'MAX_JOBS=8 python3 -c "import exllamav3" >/tmp/exl3build.log 2>&1; echo "exit $?" >>/tmp/exl3build.log' \
         >/dev/null 2>&1 &
     fi
@@ -119,8 +129,15 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     site_env
     stop_servers
     timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --bits "${E2E_BITS:-4}" --backend cuda --workdir /tmp/e2e \
-      2>&1 | tee "$work/e2e.txt" | tail -20
-    cp benchmarks/results/e2e-h200.* "$work/" 2>/dev/null
+      ${E2E_ARGS:-} 2>&1 | tee "$work/e2e.txt" | tail -20
+    cp benchmarks/results/e2e-h200.* /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
+    ;;
+  load)
+    site_env
+    stop_servers
+    timeout "${LOAD_TIMEOUT:-540}" python3 benchmarks/load.py --workdir /tmp/load ${LOAD_ARGS:-} 2>&1 |
+      tee "$work/load.txt" | grep -v "^ROW" | tail -20
+    cp benchmarks/results/load-h200.* /tmp/load/*.log "$work/" 2>/dev/null
     ;;
   e2e-moe)
     site_env
