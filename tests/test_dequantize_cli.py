@@ -88,7 +88,8 @@ def test_dequantize_trims_padding_and_legacy_signs(tmp_path):
     def to_legacy(t, s, c):
         t[f"{key}.su"] = su
         del t[f"{key}.suh"]
-        s["tensor_storage"][key]["stored_tensors"].pop(f"{key}.suh")
+        stored = s["tensor_storage"][key]["stored_tensors"]
+        stored[f"{key}.su"] = {**stored.pop(f"{key}.suh"), "shape": [16], "dtype": "torch.int16"}
 
     mutate(ckpt, to_legacy)
     dequantize_checkpoint(ckpt, tmp_path / "out", progress=False)
