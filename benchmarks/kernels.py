@@ -1,9 +1,11 @@
-"""EXL3 GEMM kernels on real model shapes: ours (CUDA), exllamav3's exl3_gemm, bf16 cuBLAS, HBM roofline.
+"""EXL3 GEMM kernels on real model shapes: ours (CUDA), exllamav3's exl3_gemm, bf16 cuBLAS, SGLang's GPTQ-Marlin
+int4 (group 128: what a Hopper user serves at 4 bits today), HBM roofline.
 
 Every time is a CUDA-graph replay median (benchmarks.common.graph_us), measured side by side in one run;
 each call in a graph reads its own copy of the weights, with enough copies to exceed the 50 MB L2.
 "ours" is the product's path for that m (fused decode GEMM up to the crossover, else reconstruct + cuBLAS);
-both paths are also recorded where both apply, to choose the crossover from data.
+both paths are also recorded where both apply, to choose the crossover from data. Marlin's column needs SGLang and
+its JIT-compiled module (~8 min of nvcc on first use; docs/gpu.md says how to carry a prebuilt one).
 
   python benchmarks/kernels.py [--quick] [--shapes 0,1] [--bits 2,4] [--ms 1,16] [--ext-path DIR] [--tune]
   python benchmarks/kernels.py --merge a.json b.json ...   (one table from runs split over calls)
@@ -31,7 +33,7 @@ BITS = [2, 3, 4, 5, 6, 8]
 CODEBOOKS = [Codebook.MUL1, Codebook.MCG, Codebook.INST3]
 ROTATE_BYTES = 150 << 20  # weights touched per graph: 3x the H200's 50 MB L2
 EXLLAMAV3_GEMM_MAX_M = 144  # exllamav3 switches from exl3_gemm to reconstruct + cuBLAS above this
-COLUMNS = ["k", "n", "m", "bits", "codebook", "ours_us", "exllamav3_us", "bf16_us", "roofline_us",
+COLUMNS = ["k", "n", "m", "bits", "codebook", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "roofline_us",
            "ours_pct_roofline", "speedup_vs_exllamav3", "ours_fused_us", "ours_reconstruct_us"]
 
 
@@ -75,10 +77,10 @@ def _time_or_none(fn, rotations: int) -> float | None:
         return None
 
 
-def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, bf16_us, bw, fused_max_m) -> dict:
+def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw, fused_max_m) -> dict:
     from sglang_exl3.kernels import cuda_trellis as ck
 
-    row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label, "bf16_us": bf16_us}
+    row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label, **anchors}
     c = w.copies
 
     def ours(path):
@@ -86,8 +88,8 @@ def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, bf16_us, bw, fused_max_m) 
 
     if m <= ck.FUSED_MAX_M:
         row["ours_fused_us"] = _time_or_none(ours("fused"), c)
-    if m >= 16:
-        row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct"), c)
+    if m >= 16:  # the product's large-m path (exl3_linear's default above the crossover)
+        row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct_staged"), c)
     row["ours_us"] = row.get("ours_fused_us") if m <= fused_max_m else row.get("ours_reconstruct_us")
     if ext is not None:
         outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2)]
@@ -118,6 +120,33 @@ def bf16_time(k: int, n: int, m: int, xs) -> float | None:
     ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     xb = [x.bfloat16() for x in xs]
     return _time_or_none(lambda i: xb[i % 4] @ ws[i % copies], copies)
+
+
+def marlin_time(k: int, n: int, m: int, xs) -> float | None:
+    """SGLang's GPTQ-Marlin int4 GEMM (uint4b8, group 128, no act-order) on random packed weights of the same shape:
+    the kernel's work does not depend on the values. None where SGLang or its Marlin module is unavailable."""
+    try:
+        from sglang.srt.layers.quantization.marlin_utils import (
+            apply_gptq_marlin_linear,
+            marlin_make_empty_g_idx,
+            marlin_make_workspace,
+            scalar_types,
+        )
+    except Exception as e:  # noqa: BLE001
+        print(f"marlin column skipped: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    dev = torch.device("cuda")
+    copies = _copies(k * n // 2)
+    qweights = [torch.randint(-2**31, 2**31 - 1, (k // 16, n * 2), dtype=torch.int32, device=dev)
+                for _ in range(copies)]
+    scales = (torch.rand(k // 128, n, device=dev) * 0.01 + 0.001).half()
+    empty, workspace = marlin_make_empty_g_idx(dev), marlin_make_workspace(dev)
+
+    def fn(i):
+        return apply_gptq_marlin_linear(xs[i % 4], qweights[i % copies], scales, empty, empty, empty, workspace,
+                                        scalar_types.uint4b8, n, k, True)
+
+    return _time_or_none(fn, copies)
 
 
 def _tune_one(k: int, n: int, bits: int, m: int, bw: float) -> list[dict]:
@@ -170,6 +199,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["m"] for r in rs], [r.get("exllamav3_us") for r in rs], "s--", label=f"exllamav3 {cb}")
     rs = sorted((r for r in sel if r["codebook"] == "mul1"), key=lambda r: r["m"])
     ax.plot([r["m"] for r in rs], [r["bf16_us"] for r in rs], "k:", label="bf16 cuBLAS")
+    if any(r.get("marlin_us") for r in rs):
+        ax.plot([r["m"] for r in rs], [r.get("marlin_us") for r in rs], "m^-", label="GPTQ-Marlin int4 (g128)")
     ax.plot([r["m"] for r in rs], [r["roofline_us"] for r in rs], "g-.", label="HBM roofline (4 bpw)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -231,6 +262,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated indexes into SHAPES (split a run over calls)")
     ap.add_argument("--bits", default=None, help="comma-separated bitrates (default: all)")
     ap.add_argument("--ms", default=None, help="comma-separated row counts (default: all of MS)")
+    ap.add_argument("--marlin", action="store_true", help="add SGLang's GPTQ-Marlin int4 (group 128) column")
     ap.add_argument("--tune", action="store_true", help="split-K sweep instead of the table")
     ap.add_argument("--tune-ms", default="1", help="with --tune: comma-separated m (e.g. 1,16)")
     ap.add_argument("--merge", nargs="+", help="merge results (JSON, or logs with ROW lines) of split runs")
@@ -266,13 +298,17 @@ def main() -> int:
     head["fused_max_m"] = fused_max_m
     rows = []
     for k, n in shapes:
-        bf16 = {m: bf16_time(k, n, m, [torch.randn(m, k, device="cuda").half() for _ in range(4)]) for m in ms}
+        anchors = {}
+        for m in ms:
+            xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
+            anchors[m] = {"bf16_us": bf16_time(k, n, m, xs), "marlin_us": marlin_time(k, n, m, xs) if args.marlin
+                          else None}
         for bits in bits_list:
             w = Weights(k, n, bits)
             for m in ms:
                 xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
                 for cb in CODEBOOKS:
-                    r = bench_row(k, n, m, bits, cb, w, xs, ext, bf16[m], bw, fused_max_m)
+                    r = bench_row(k, n, m, bits, cb, w, xs, ext, anchors[m], bw, fused_max_m)
                     rows.append(r)
                     print("ROW " + json.dumps(r), flush=True)  # survives a run cut short (merge with --rows)
             del w
