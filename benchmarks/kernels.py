@@ -263,6 +263,7 @@ def main() -> int:
     ap.add_argument("--bits", default=None, help="comma-separated bitrates (default: all)")
     ap.add_argument("--ms", default=None, help="comma-separated row counts (default: all of MS)")
     ap.add_argument("--marlin", action="store_true", help="add SGLang's GPTQ-Marlin int4 (group 128) column")
+    ap.add_argument("--name", default=None, help="results name (default: kernels, suffixed for partial runs)")
     ap.add_argument("--tune", action="store_true", help="split-K sweep instead of the table")
     ap.add_argument("--tune-ms", default="1", help="with --tune: comma-separated m (e.g. 1,16)")
     ap.add_argument("--merge", nargs="+", help="merge results (JSON, or logs with ROW lines) of split runs")
@@ -316,7 +317,7 @@ def main() -> int:
     tag = "kernels" if not (args.quick or args.shapes or args.bits or args.ms) else \
         "kernels-" + ("quick" if args.quick else f"s{args.shapes or 'all'}-b{args.bits or 'all'}"
                       + (f"-m{args.ms}" if args.ms else "")).replace(",", "")
-    path = write_results(tag, head, rows, COLUMNS)
+    path = write_results(args.name or tag, head, rows, COLUMNS)
     plot(rows, path.with_suffix(".png"))
     return 0
 
