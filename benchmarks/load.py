@@ -59,11 +59,17 @@ def probe(base: str) -> list[int]:
     return out[0].get("output_ids") or out[0]["text"]
 
 
-def _flush(base: str) -> None:
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    conn.request("POST", "/flush_cache")
-    conn.getresponse().read()
-    conn.close()
+def _flush(base: str, attempts: int = 30) -> None:
+    """Empty the radix cache; SGLang refuses while requests are still in flight, so wait for it."""
+    for _ in range(attempts):
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/flush_cache")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        if ok:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"{base}/flush_cache kept refusing: requests still in flight")
 
 
 def abort_midstream(host: str, port: int, i: int) -> str:
@@ -152,7 +158,10 @@ def run_model(name: str, path: Path, args, work: Path, port: int) -> dict:
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             outcomes = list(pool.map(lambda i: abort_midstream(host, port, i), range(bad)))
             outcomes += list(pool.map(lambda i: over_context(host, port, i), range(refused_n)))
-        bench.wait(timeout=args.timeout)
+        try:
+            bench.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:  # counted below: whatever it did not complete failed
+            bench.kill()
         bench_s = time.time() - t0
         sampler.join(timeout=5)
         result = json.loads(out_file.read_text().strip().splitlines()[-1]) if out_file.exists() else {}
