@@ -164,7 +164,8 @@ def run_model(name: str, path: Path, args, work: Path, port: int) -> dict:
             bench.kill()
         bench_s = time.time() - t0
         sampler.join(timeout=5)
-        result = json.loads(out_file.read_text().strip().splitlines()[-1]) if out_file.exists() else {}
+        lines = out_file.read_text().strip().splitlines() if out_file.exists() else []
+        result = json.loads(lines[-1]) if lines else {}
         completed = int(result.get("completed") or 0)
         time.sleep(5)  # aborted requests drain
         alive = proc.poll() is None and _healthy(base)
