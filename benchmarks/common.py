@@ -27,6 +27,16 @@ def header(command: list[str]) -> dict:
     return out
 
 
+def gpu_workdir(script: str, workdir: str) -> Path | None:
+    """A served benchmark's scratch folder, or None (after saying why) where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def publish_sglang_args() -> None:
     """Publish default server args and a one-rank TP group, as a server does before any layer runs: SGLang's
     kernels outside a server fail without them (fused_experts reads its `exec` config namespace and asks for the

@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import header, write_results  # noqa: E402
+from benchmarks.common import gpu_workdir, header, write_results  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 from sglang_exl3.synth.exl3_writer import SHAPES  # noqa: E402
 
@@ -119,11 +117,9 @@ def main() -> int:
         data = json.loads(args.replot.read_text())
         plot(data["rows"], args.replot.with_suffix(".png"), _title(data["header"]))
         return 0
-    if not torch.cuda.is_available():
-        print("benchmarks/e2e.py needs a CUDA GPU", file=sys.stderr)
+    work = gpu_workdir("benchmarks/e2e.py", args.workdir)
+    if work is None:
         return 2
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     head = header(sys.argv)
     head.update(backend=args.backend, decode_tokens=DECODE_TOKENS, prefill_len=PREFILL_LEN,
                 prefill_batch=PREFILL_BATCH, shape=f"{args.shape} (random trellis)")

@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import header, write_results  # noqa: E402
+from benchmarks.common import gpu_workdir, header, write_results  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
 MODELS = {"dense": ROOT / "tests/data/exllamav3/tiny-llama-mul1-4bpw",
@@ -202,11 +202,9 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/load")
     ap.add_argument("--timeout", type=float, default=400, help="seconds the load generator may run per model")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/load.py needs a CUDA GPU", file=sys.stderr)
+    work = gpu_workdir("benchmarks/load.py", args.workdir)
+    if work is None:
         return 2
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     head = header(sys.argv)
     head.update(context_length=CONTEXT, concurrency=args.concurrency,
                 note="prompts 51-512 random ids, outputs 12-128 tokens (random-ids, range ratio 0.1); aborts: "
