@@ -81,6 +81,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
     Knob("FUSED_MAX_M", 64, "positive_int", help="dense linears on our CUDA kernels: the most rows the fused decode "
          "GEMM serves (1-64, its limit); above, reconstruct + cuBLAS", maximum=64),
+    Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
+         "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "
          "weights in fp32 and log the layer, rows and path where they disagree (slow)"),
     Knob("TRELLIS_MIN_M", 1, "positive_int", help="MoE decode plan: smallest m (below: parity path)",

@@ -9,6 +9,9 @@ skipped by the loader. While a model is being built from an EXL3 checkpoint whos
 the head gets the EXL3 config. The "active" config is the one SGLang created last in this process:
 SGLang builds each model (target, then draft) right after creating its quantization config.
 
+`embedding_quant_config`: likewise for the input embedding when `SGLANG_EXL3_EMBED_ONLINE_BITS` is set, so that
+every model's table is encoded, not only those of the classes that pass their config on (Mixtral does not).
+
 `mixtral_through_fused_moe`: SGLang swaps `MixtralForCausalLM` for `QuantMixtralForCausalLM` (a loop over
 per-expert MLPs that runs every expert on every token, with its own fp16 routing) for every quantization
 method outside a short list. EXL3 has a FusedMoE method, so its Mixtral keeps the real model class.
@@ -20,6 +23,7 @@ indexes its buffer with None; the hook hands the block's layer id to its TopK wh
 
 from __future__ import annotations
 
+from sglang_exl3 import knobs
 from sglang_exl3.layers.exl3_config import active_config
 
 
@@ -28,6 +32,19 @@ def lm_head_quant_config(original, self, *args, **kwargs):
     if kwargs.get("quant_config") is None and config is not None and config.checkpoint is not None:
         if config.record_for(kwargs.get("prefix") or "lm_head") is not None:
             kwargs["quant_config"] = config
+    return original(self, *args, **kwargs)
+
+
+def embedding_quant_config(original, self, *args, **kwargs):
+    """AROUND `VocabParallelEmbedding.__init__`: with SGLANG_EXL3_EMBED_ONLINE_BITS set, an exact
+    `VocabParallelEmbedding` of an EXL3 model built without a quantization config gets the model's (a
+    `ParallelLMHead` runs this too, through super().__init__, and is left alone)."""
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    config = active_config()
+    if (type(self) is VocabParallelEmbedding and kwargs.get("quant_config") is None and config is not None
+            and config.checkpoint is not None and knobs.get("EMBED_ONLINE_BITS")):
+        kwargs["quant_config"] = config
     return original(self, *args, **kwargs)
 
 
@@ -145,6 +162,8 @@ def register_hooks() -> None:
 
     HookRegistry.register("sglang.srt.layers.vocab_parallel_embedding.ParallelLMHead.__init__",
                           lm_head_quant_config, HookType.AROUND)
+    HookRegistry.register("sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbedding.__init__",
+                          embedding_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig._parse_quant_hf_config",
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",

@@ -21,7 +21,9 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig, Quant
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+from sglang_exl3 import knobs
 from sglang_exl3.format import Exl3Checkpoint, Exl3ModuleRecord, load_checkpoint
+from sglang_exl3.layers.embedding import Exl3EmbeddingMethod
 from sglang_exl3.layers.linear import Exl3LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -79,8 +81,6 @@ class Exl3Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Exl3Config:
-        from sglang_exl3 import knobs
-
         knobs.validate_all()  # a bad SGLANG_EXL3_* value stops the model load, naming the variable
         hf_config = config.get("hf_config")
         path = getattr(hf_config, "_name_or_path", None) or config.get("model_path")
@@ -93,6 +93,7 @@ class Exl3Config(QuantizationConfig):
         tail = config.get("hybrid_tr3_tail") or getattr(hf_config, "hybrid_tr3_tail", None)
         if tail is not None:
             rank_sliced = parse({"hybrid_tr3_tail": tail}, path)  # RankSlicedError naming the offending key
+        _check_embedding_knob(hf_config)
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
         sliced = next((n for n in ckpt.tensors if RANK_SLICED_WEIGHT_RE.match(n)), None)
         if rank_sliced is None and sliced is not None:
@@ -183,8 +184,11 @@ class Exl3Config(QuantizationConfig):
                 return None
             self.claimed.add(record.key)
             return Exl3LinearMethod({None: record}, prefix or "lm_head", self)
-        if isinstance(layer, VocabParallelEmbedding):
-            return None  # embeddings stay unquantized in EXL3 checkpoints
+        if isinstance(layer, VocabParallelEmbedding):  # BF16 in EXL3 checkpoints; int8/int6 at load on request
+            bits = knobs.get("EMBED_ONLINE_BITS")
+            if bits and type(layer) is VocabParallelEmbedding and self.checkpoint is not None:
+                return Exl3EmbeddingMethod(int(bits), prefix)
+            return None
         if isinstance(layer, LinearBase):
             records = self._source_records(prefix)
             found = {sid: r for sid, r in records.items() if r is not None}
@@ -262,6 +266,27 @@ def active_config() -> Exl3Config | None:
 def deactivate() -> None:
     """A model that is not EXL3 is about to be built: no hook may hand it the last EXL3 model's config."""
     _activate(None)
+
+
+def _check_embedding_knob(hf_config) -> None:
+    """SGLANG_EXL3_EMBED_ONLINE_BITS replaces the embedding table's weight; refuse the setups that read it."""
+    bits = knobs.get("EMBED_ONLINE_BITS")
+    if not bits:
+        return
+    if getattr(hf_config, "tie_word_embeddings", False) or getattr(getattr(hf_config, "text_config", None),
+                                                                    "tie_word_embeddings", False):
+        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} is incompatible with tied word embeddings (this "
+                              "model's lm_head reads the embedding table); unset it")
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        algorithm = get_global_server_args().speculative_algorithm
+    except (AttributeError, ValueError):  # no server (a tool or a test that built no ServerArgs)
+        algorithm = None
+    if algorithm:
+        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} with --speculative-algorithm {algorithm}: the "
+                              "draft model shares the target's embedding table through its BF16 weight, which the "
+                              f"int{bits} table replaces; unset one of them")
 
 
 def _is_moe(layer: torch.nn.Module) -> bool:
