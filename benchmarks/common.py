@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +26,24 @@ def header(command: list[str]) -> dict:
     except ImportError:
         pass
     return out
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None where matplotlib is absent (the plot is then skipped)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def kv_tokens(server_log: Path) -> int | None:
+    """The KV-cache tokens an SGLang server sized, from its log."""
+    m = re.search(r"max_total_num_tokens=(\d+)", server_log.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
 
 
 def gpu_workdir(script: str, workdir: str) -> Path | None:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpu_workdir, header, write_results  # noqa: E402
+from benchmarks.common import gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 from sglang_exl3.synth.exl3_writer import SHAPES  # noqa: E402
 
@@ -35,11 +35,6 @@ PREFILL_BATCH = 8
 def _weights_mem_gb(log: Path) -> float | None:
     m = re.search(r"Load weight end\..*?mem usage=([0-9.]+) GB", log.read_text(errors="replace"))
     return float(m.group(1)) if m else None
-
-
-def _kv_tokens(log: Path) -> int | None:
-    m = re.search(r"max_total_num_tokens=(\d+)", log.read_text(errors="replace"))
-    return int(m.group(1)) if m else None
 
 
 def measure(base: str) -> dict:
@@ -70,7 +65,7 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         row = {"model": label, "ready_s": time.time() - t0}
         row.update(measure(f"http://127.0.0.1:{port}"))
         row["weights_gb"] = _weights_mem_gb(log)
-        row["kv_tokens"] = _kv_tokens(log)
+        row["kv_tokens"] = kv_tokens(log)
         return row
     finally:
         stop(proc)
@@ -78,12 +73,8 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Decode tokens/s per batch size, one bar per model (the EXL3 rows and their bf16 twin side by side)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(rows), 1)

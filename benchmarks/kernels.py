@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import copy_bandwidth, graph_us, header, write_results  # noqa: E402
+from benchmarks.common import copy_bandwidth, graph_us, header, pyplot, write_results  # noqa: E402
 from sglang_exl3.format import Codebook  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (5120, 27648), (4096, 151936)]
@@ -181,12 +181,8 @@ def tune(bw: float, ms: list[int]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     sel = [r for r in rows if r["k"] == 4096 and r["n"] == 14336 and r["bits"] == 4]
     if not sel:

@@ -20,7 +20,6 @@ import concurrent.futures
 import http.client
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import gpu_workdir, header, write_results  # noqa: E402
+from benchmarks.common import gpu_workdir, header, kv_tokens, write_results  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
 MODELS = {"dense": ROOT / "tests/data/exllamav3/tiny-llama-mul1-4bpw",
@@ -45,11 +44,6 @@ COLUMNS = ["model", "requests", "failed", "aborted", "refused", "server_alive", 
 def gpu_used_mib() -> float:
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**20
-
-
-def kv_tokens(log: Path) -> int | None:
-    m = re.search(r"max_total_num_tokens=(\d+)", log.read_text(errors="replace"))
-    return int(m.group(1)) if m else None
 
 
 def probe(base: str) -> list[int]:

@@ -36,6 +36,7 @@ from benchmarks.common import (  # noqa: E402
     graph_us,
     header,
     publish_sglang_args,
+    pyplot,
     write_results,
 )
 from sglang_exl3.format import Codebook  # noqa: E402
@@ -257,12 +258,8 @@ def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
 
 def plot(rows: list[dict], path: Path, gpu: str) -> None:
     """µs per layer call against rows m, one panel per bitrate: ours, exllamav3, bf16 fused_experts."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     bits = sorted({r["bits"] for r in rows})
     fig, axes = plt.subplots(1, len(bits), figsize=(3.2 * len(bits), 3.4), sharey=True, squeeze=False)
