@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sglang_exl3.format.checkpoint import Exl3ModuleRecord
 from sglang_exl3.format.constants import Codebook
+from sglang_exl3.format.json_values import is_int
 
 TENSOR_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
 SHARED_H_SCHEMA = "model.layers.{L}.mlp.experts.shared_h.{proj}.rank{r}.{suh|svh}"
@@ -64,11 +65,6 @@ def override_quantization_method(config: dict, user_quant: str | None) -> str | 
     return None
 
 
-def _is_int(v) -> bool:
-    """A JSON integer (true and false are refused where a count or an index belongs)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _safe_json_name(name: str) -> str:
     if not name or os.path.isabs(name) or "/" in name or "\\" in name or ".." in name:
         raise RankSlicedError(f"hybrid_tr3_tail.bits_per_expert file name {name!r} must not contain path "
@@ -103,7 +99,7 @@ def _load_bits_map(meta: dict, model_dir: Path | None, first: int, last: int, ex
         if not isinstance(values, list) or len(values) != experts:
             raise RankSlicedError(f"{name}: layer {layer} field {field_name!r} must list {experts} bitrates")
         for k in values:
-            if not _is_int(k) or k not in k_values:
+            if not is_int(k) or k not in k_values:
                 raise RankSlicedError(f"{name}: layer {layer} uses K={k}, which k_values {list(k_values)} "
                                       "does not declare")
         out[layer] = tuple(int(k) for k in values)
@@ -121,7 +117,7 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
     if meta["codebook"] != "mcg":
         raise RankSlicedError(f"rank-sliced EXL3 currently requires the MCG codebook, got {meta['codebook']!r}")
     layers = meta["moe_layers"]
-    if (not isinstance(layers, list) or len(layers) != 2 or not all(_is_int(x) for x in layers)
+    if (not isinstance(layers, list) or len(layers) != 2 or not all(is_int(x) for x in layers)
             or layers[0] < 0 or layers[1] < layers[0]):
         raise RankSlicedError("hybrid_tr3_tail.moe_layers must be [first, last] with 0 <= first <= last, "
                               f"got {layers!r}")
@@ -129,7 +125,7 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
         raise RankSlicedError(f"hybrid_tr3_tail.tensor_schema must be exactly {TENSOR_SCHEMA!r}, "
                               f"got {meta['tensor_schema']!r}")
     experts, tp = meta["experts_per_layer"], meta["tp"]
-    if not _is_int(experts) or experts <= 0 or not _is_int(tp) or tp <= 0:
+    if not is_int(experts) or experts <= 0 or not is_int(tp) or tp <= 0:
         raise RankSlicedError("hybrid_tr3_tail.experts_per_layer and tp must be positive integers")
     layout = meta.get("rotation_layout", "per_expert_v1")
     if layout not in LAYOUTS:
@@ -143,7 +139,7 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
     bits_map: dict[int, tuple[int, ...]] = {}
     if bits == "mixed":
         raw = meta.get("k_values")
-        if not isinstance(raw, list) or not raw or not all(_is_int(k) and k in ALLOWED_BITS for k in raw):
+        if not isinstance(raw, list) or not raw or not all(is_int(k) and k in ALLOWED_BITS for k in raw):
             raise RankSlicedError(f"hybrid_tr3_tail.bits='mixed' requires k_values: integers within "
                                   f"{ALLOWED_BITS[0]}..{ALLOWED_BITS[-1]}, got {raw!r}")
         k_values = tuple(raw)

@@ -7,6 +7,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_exl3.format.json_values import is_int
+
 # safetensors dtype codes -> torch dtype names (the strings exllamav3 writes in tensor_storage)
 TORCH_DTYPE_NAMES = {
     "I16": "torch.int16", "I32": "torch.int32", "I64": "torch.int64", "I8": "torch.int8",
@@ -57,10 +59,6 @@ class ShardError(ValueError):
         super().__init__(f"{where}: {message} (fix: {fix})")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _tensor_info(path: Path, name: str, h, base: int, data_bytes: int) -> TensorInfo:
     """One header entry, checked: a known dtype, a shape of non-negative ints, offsets inside the data section that
     span exactly the bytes the dtype and shape need."""
@@ -69,9 +67,9 @@ def _tensor_info(path: Path, name: str, h, base: int, data_bytes: int) -> Tensor
     dtype, shape, offsets = h.get("dtype"), h.get("shape"), h.get("data_offsets")
     if not isinstance(dtype, str) or not dtype:
         raise ShardError(path, f"dtype {dtype!r} is not a safetensors dtype name", tensor=name)
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise ShardError(path, f"shape {shape!r} is not a list of non-negative integers", tensor=name)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise ShardError(path, f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end", tensor=name)
     begin, end = offsets

@@ -17,6 +17,7 @@ from sglang_exl3.format.constants import (
     Codebook,
 )
 from sglang_exl3.format.errors import Problem
+from sglang_exl3.format.json_values import is_number
 from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, claims
 from sglang_exl3.format.safetensors_index import FLOAT_CODES, TensorInfo
 
@@ -69,10 +70,15 @@ def _exl3_config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     return out
 
 
+def _well_formed(entry) -> bool:
+    """A tensor_storage entry is an object whose stored_tensors (if any) is an object."""
+    return isinstance(entry, dict) and isinstance(entry.get("stored_tensors", {}), dict)
+
+
 def _storage_entries(ckpt: Exl3Checkpoint):
     """(key, entry, stored_tensors) of every well-formed tensor_storage entry (_storage_problems reports the rest)."""
     for key, entry in ckpt.tensor_storage.items():
-        if isinstance(entry, dict) and isinstance(entry.get("stored_tensors", {}), dict):
+        if _well_formed(entry):
             yield key, entry, entry.get("stored_tensors", {})
 
 
@@ -99,7 +105,7 @@ def _storage_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
     lists its trellis and both scales."""
     out = []
     for key, entry in ckpt.tensor_storage.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("stored_tensors", {}), dict):
+        if not _well_formed(entry):
             out.append(Problem("tensor_storage entry is not an object with stored_tensors", module=key,
                                fix=f"regenerate {SIDECAR_NAME} with exllamav3"))
     for key, entry, stored in _storage_entries(ckpt):
@@ -224,7 +230,7 @@ def check_module(ckpt: Exl3Checkpoint, key: str) -> tuple[Exl3ModuleRecord | Non
     entry = ckpt.tensor_storage.get(key)
     entry = entry if isinstance(entry, dict) else {}
     bpw = entry.get("bits_per_weight")
-    if bpw is not None and (isinstance(bpw, bool) or not isinstance(bpw, (int, float))):
+    if bpw is not None and not is_number(bpw):
         out.append(Problem(f"{SIDECAR_NAME} says bits_per_weight={bpw!r}, which is not a number", module=key,
                            fix="the sidecar and the shards disagree"))
     elif bpw is not None and bits is not None and float(bpw) != float(bits):
