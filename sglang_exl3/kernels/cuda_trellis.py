@@ -114,9 +114,25 @@ def build_library(out: Path | None = None, arch: str | None = None, verbose: boo
     return out
 
 
+# (SGLANG_EXL3_KERNEL_LIB, XDG_CACHE_HOME, HOME) -> the library found and checked for that setting
+_CHECKED_LIBRARIES: dict[tuple[str, str, str], Path] = {}
+
+
 def library_path() -> Path | None:
     """The library that `load_library` would open, or None if there is none yet. SGLANG_EXL3_KERNEL_LIB is checked
-    by its knob; a cached library must pass the same rules (native_paths), and so must the cache folder."""
+    by its knob; a cached library must pass the same rules (native_paths), and so must the cache folder. Every kernel
+    launch asks for the library, and the rules cost several system calls, so a library found is checked once per
+    setting of the variables that locate it (it is opened once per path anyway)."""
+    key = tuple(os.environ.get(name, "") for name in (knobs.KNOBS["KERNEL_LIB"].env, "XDG_CACHE_HOME", "HOME"))
+    found = _CHECKED_LIBRARIES.get(key)
+    if found is None:
+        found = _find_library()
+        if found is not None:
+            _CHECKED_LIBRARIES[key] = found
+    return found
+
+
+def _find_library() -> Path | None:
     explicit = knobs.get("KERNEL_LIB")
     if explicit:
         return Path(explicit)
