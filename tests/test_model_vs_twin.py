@@ -41,6 +41,14 @@ def _rank_sliced(root):
                                         seed=0, with_tokenizer=True)
 
 
+def _r7(root):
+    """R7 routed experts (per-projection K3/K4/K5, shared hidden-side rotations) under a `modelopt` label, as the
+    reference's R7 checkpoints carry it; written exactly as the GPU step `parity-r7` writes it."""
+    from sglang_exl3.synth.r7_writer import write_r7_checkpoint
+
+    return write_r7_checkpoint(root / "r7", seed=0, with_tokenizer=True, quant_method="modelopt")
+
+
 def _deepseek_hybrid(root):
     """DeepSeek-V3-shaped (experts of 128, top-2 of 8 in groups, routed scaling) in the reference's hybrid layout:
     rank-sliced EXL3 experts, everything else BF16."""
@@ -52,6 +60,7 @@ def _deepseek_hybrid(root):
 
 CHECKPOINTS = {
     "rank-sliced-shared-h": _rank_sliced,
+    "r7-per-projection-k": _r7,
     "deepseek-v3-hybrid": _deepseek_hybrid,
     "tiny-qwen3moe-mul1-4bpw": lambda root: DATA / "exllamav3" / "tiny-qwen3moe-mul1-4bpw",
     "tiny-mixtral-mcg-3bpw": lambda root: DATA / "exllamav3" / "tiny-mixtral-mcg-3bpw",

@@ -99,8 +99,11 @@ def compiled_lib(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["sorted", "routed"])
-@pytest.mark.parametrize("tokens, topk, gelu", [(7, 2, False), (20, 3, True)])
-def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, topk, gelu):
+@pytest.mark.parametrize("tokens, topk, gelu, bits", [(7, 2, False, (3, 3, 3)), (20, 3, True, (3, 3, 3)),
+                                                      (11, 2, False, (3, 4, 5)), (9, 3, True, (5, 3, 4))])
+def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, topk, gelu, bits):
+    """`bits` per role (gate, up, down): R7 checkpoints give gate and up their own bitrates, which run as two
+    groups."""
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
 
@@ -109,9 +112,9 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
     gen = torch.Generator().manual_seed(tokens)
     weights = []  # per expert: (trellis [K/16, N/16, words], suh, svh) per role
     for _ in range(experts):
-        weights.append([(torch.randint(-32768, 32768, (k // 16, n // 16, 48), generator=gen, dtype=torch.int16),
+        weights.append([(torch.randint(-32768, 32768, (k // 16, n // 16, 16 * b), generator=gen, dtype=torch.int16),
                          (torch.randn(k, generator=gen) * 0.1).half(), (torch.randn(n, generator=gen) * 0.1).half())
-                        for k, n in ((hidden, inter), (hidden, inter), (inter, hidden))])
+                        for (k, n), b in zip(((hidden, inter), (hidden, inter), (inter, hidden)), bits, strict=True)])
     by_ptr, banks = {}, []
     for r in range(3):
         tiles = [ck.prepare(w[r][0]) for w in weights]
@@ -121,7 +124,7 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
         pointers = [(t.data_ptr(), w[r][1].data_ptr(), w[r][2].data_ptr())
                     for t, w in zip(tiles, weights, strict=True)]
         rows = ck.bank_rows(pointers, nt, 2)
-        banks.append(ck.Exl3ExpertBank(rows=rows, n_tiles=nt, k_tiles=kt, splits=2, k2=6, codebook=int(cb),
+        banks.append(ck.Exl3ExpertBank(rows=rows, n_tiles=nt, k_tiles=kt, splits=2, k2=2 * bits[r], codebook=int(cb),
                                        sources=(tuple(tiles),)))
     x = torch.randn(tokens, hidden, generator=gen).half()
     ids = _routing(tokens, topk, experts, seed=tokens + 1)

@@ -48,7 +48,15 @@ def _write_fixture(args: argparse.Namespace) -> int:
         dims = replace(dims, num_key_value_heads=args.kv_heads)
     if args.layers:
         dims = replace(dims, num_hidden_layers=args.layers)
-    if args.rank_sliced_tp:
+    if args.r7:
+        from sglang_exl3.synth.r7_writer import write_r7_checkpoint
+
+        if args.arch != "qwen3_moe" or args.shape != "tiny" or args.rank_sliced_tp:
+            raise SystemExit("--r7 writes the reference's R7 routed experts for --arch qwen3_moe --shape tiny "
+                             "(not with --rank-sliced-tp)")
+        write_r7_checkpoint(args.out, dims=dims, bits=int(args.bits), seed=args.seed, with_tokenizer=True,
+                            quant_method="modelopt")
+    elif args.rank_sliced_tp:
         from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
 
         if args.arch != "qwen3_moe" or args.shape != "tiny" or args.codebook != "mcg" or args.bits != int(args.bits):
@@ -124,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank-sliced-tp", type=int, default=0,
                    help="write routed experts in the reference's rank-sliced layout (hybrid_tr3_tail) for this TP")
     w.add_argument("--rotation-layout", choices=["per_expert_v1", "shared_h_v1"], default="per_expert_v1")
+    w.add_argument("--r7", action="store_true",
+                   help="write routed experts as R7 (quantization_config.r7_routed_experts: per-projection K3/K4/K5, "
+                        "shared hidden-side rotations) under a modelopt label, as the reference's R7 checkpoints")
     w.set_defaults(func=_write_fixture)
     b = sub.add_parser("build-kernels", help="compile the EXL3 CUDA kernels with nvcc (once per GPU arch)")
     b.add_argument("--arch", default=None, help="e.g. 90 or sm_90 (default: this GPU's, else 90)")

@@ -6,6 +6,7 @@ vLLM implementation's `_validate_storage_metadata`.
 
 from __future__ import annotations
 
+from sglang_exl3.format import r7
 from sglang_exl3.format.checkpoint import Exl3Checkpoint, Exl3ModuleRecord
 from sglang_exl3.format.constants import (
     ALIGN,
@@ -30,7 +31,7 @@ _FOREIGN_SCALES = (".weight_scale", ".input_scale", ".weight_scale_2", ".weight_
 
 
 def _hybrid_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
-    """A rank-sliced (`hybrid_tr3_tail`) checkpoint: its quantization_config may name another method and the
+    """A rank-sliced (`hybrid_tr3_tail`) or R7 checkpoint: its quantization_config may name another method and the
     per-module sidecar may be absent (then everything but the routed experts is unquantized); but non-expert
     weights quantized in another format cannot be served as plain weights."""
     foreign = sorted(n for n, t in ckpt.tensors.items()
@@ -43,9 +44,36 @@ def _hybrid_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
                     fix="use the checkpoint's BF16 variant of the non-expert layers")]
 
 
+def _r7_spec(ckpt: Exl3Checkpoint):
+    """The checkpoint's R7 spec, or None (no block, or a malformed one: _r7_problems reports it)."""
+    if not ckpt.config or not r7.claims(ckpt.config):
+        return None
+    try:
+        return r7.parse(r7.block_of(ckpt.config))
+    except r7.R7Error:
+        return None
+
+
+def _r7_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
+    """The R7 block parses, and no R7 expert is also listed in tensor_storage (R7 experts live outside it)."""
+    try:
+        spec = r7.parse(r7.block_of(ckpt.config))
+    except r7.R7Error as e:
+        return [Problem(str(e), fix="re-export the checkpoint with the R7 producer")]
+    listed = sorted(k for k in ckpt.tensor_storage if spec.covers_name(k + "."))
+    out = [Problem(message, fix="re-export the layer with the R7 producer")
+           for message in r7.check_layers(ckpt.tensors, spec, ckpt.config)]
+    if listed:
+        out.append(Problem(f"{len(listed)} routed expert module(s) of the R7 layers {list(spec.moe_layers)} are also "
+                        f"listed in {SIDECAR_NAME} (e.g. {listed[:3]}); R7 experts are described by "
+                        f"quantization_config.{r7.BLOCK} only", fix=f"remove them from {SIDECAR_NAME}"))
+    return out
+
+
 def _config_problems(ckpt: Exl3Checkpoint) -> list[Problem]:
-    if ckpt.config and claims(ckpt.config):
-        out = _hybrid_problems(ckpt)  # quantization_config and the sidecar may name another method / be absent
+    if ckpt.config and (claims(ckpt.config) or r7.claims(ckpt.config)):
+        # quantization_config and the sidecar may name another method / be absent
+        out = _hybrid_problems(ckpt) + (_r7_problems(ckpt) if r7.claims(ckpt.config) else [])
     else:
         out = _exl3_config_problems(ckpt)
     if not ckpt.tensors and ckpt.config:
@@ -92,6 +120,8 @@ def _module_keys(ckpt: Exl3Checkpoint) -> list[str]:
     keys = {n[: -len(".trellis")] for n in ckpt.tensors if n.endswith(".trellis")}
     if claims(ckpt.config):
         keys = {k for k in keys if not RANK_SLICED_WEIGHT_RE.match(f"{k}.trellis")}
+    if (spec := _r7_spec(ckpt)) is not None:  # R7 experts: format/r7.py checks them, layer by layer
+        keys = {k for k in keys if not spec.covers_name(f"{k}.trellis")}
     keys |= {key for key, entry, stored in _storage_entries(ckpt) if _is_exl3_entry(key, entry, stored)}
     return sorted(keys)
 

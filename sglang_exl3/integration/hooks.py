@@ -1,7 +1,8 @@
 """Plugin hooks (SGLang's HookRegistry; no SGLang file is edited).
 
-`rank_sliced_quant_config`: claims rank-sliced EXL3 MoE checkpoints (`hybrid_tr3_tail`) for `exl3`;
-`rank_sliced_weights`: gives the model this rank's expert slices under their per-expert names.
+`rank_sliced_quant_config`: claims rank-sliced (`hybrid_tr3_tail`) and R7 EXL3 MoE checkpoints for `exl3`;
+`rank_sliced_weights`: gives the model this rank's expert slices under their per-expert names (R7: the layers'
+shared rotations under expert 0's).
 
 `lm_head_quant_config`: some SGLang model classes (Mixtral, ...) build `ParallelLMHead` without
 passing `quant_config`, so an EXL3 `lm_head` would be built unquantized and its `.trellis` tensors
@@ -48,17 +49,30 @@ def embedding_quant_config(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
-def rank_sliced_quant_config(original, self, *args, **kwargs):
-    """AROUND `ModelConfig._parse_quant_hf_config`: a checkpoint with `hybrid_tr3_tail` (format exl3-trellis)
-    is EXL3 even when its `quantization_config` names another method (the reference's rule; otherwise its
-    experts would silently load as that method), unless the user asked for a different method. SGLang
-    only shows `quantization_config` to the quantization classes, hence a hook on the parse."""
+def _claimed_by_exl3(hf_config, user_quant: str | None) -> bool:
+    """A rank-sliced (`hybrid_tr3_tail`, format exl3-trellis) or R7 (`quantization_config.r7_routed_experts`)
+    checkpoint is EXL3 whatever its quant_method says, unless the user asked for another method."""
+    from sglang_exl3.format import r7
     from sglang_exl3.format.rank_sliced import override_quantization_method
 
+    tail = getattr(hf_config, "hybrid_tr3_tail", None)
+    if override_quantization_method({"hybrid_tr3_tail": tail}, user_quant) == "exl3":
+        return True
+    quant = getattr(hf_config, "quantization_config", None)
+    quant = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: None)()
+    return isinstance(quant, dict) and r7.claims(quant) and user_quant in (None, "exl3")
+
+
+def rank_sliced_quant_config(original, self, *args, **kwargs):
+    """AROUND `ModelConfig._parse_quant_hf_config`: a checkpoint with `hybrid_tr3_tail` (format exl3-trellis) or
+    an R7 block is EXL3 even when its `quantization_config` names another method such as modelopt (the reference's
+    rule; otherwise its experts would silently load as that method), unless the user asked for a different
+    method. SGLang only shows `quantization_config` to the quantization classes, hence a hook on the parse."""
     parsed = original(self, *args, **kwargs)
     tail = getattr(self.hf_config, "hybrid_tr3_tail", None)
-    if override_quantization_method({"hybrid_tr3_tail": tail}, getattr(self, "quantization", None)) == "exl3":
-        parsed = {**(parsed or {}), "quant_method": "exl3", "hybrid_tr3_tail": tail,
+    if _claimed_by_exl3(self.hf_config, getattr(self, "quantization", None)):
+        parsed = {**(parsed or {}), "quant_method": "exl3",
+                  **({"hybrid_tr3_tail": tail} if tail is not None else {}),
                   "checkpoint_quant_method": (parsed or {}).get("checkpoint_quant_method",
                                                                 (parsed or {}).get("quant_method"))}
         # The model loader builds the quantization config from hf_config.quantization_config, not from this
@@ -74,8 +88,10 @@ def rank_sliced_weights(original, model, weights, target_device):
     and never the other ranks' tensors -- what the reference implementation's model loaders do before
     auto-loading. Every other checkpoint passes through untouched."""
     config = getattr(model, "quant_config", None)
-    if getattr(config, "rank_sliced", None) is None:
+    if getattr(config, "rank_sliced", None) is None and getattr(config, "r7", None) is None:
         config = active_config()
+    if getattr(config, "r7", None) is not None:
+        return original(model, _r7_normalized(weights, config.r7), target_device)
     if getattr(config, "rank_sliced", None) is None:
         return original(model, weights, target_device)
     result = original(model, _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0), target_device)
@@ -92,11 +108,18 @@ def _normalized(weights, spec, rank: int):
             yield local, tensor
 
 
+def _r7_normalized(weights, spec):
+    """An R7 layer's shared hidden-side rotations under expert 0's names (gate_up_suh under gate's and up's)."""
+    from sglang_exl3.format.r7 import normalize_weight_name
+
+    for name, tensor in weights:
+        for local in normalize_weight_name(name, spec):
+            yield local, tensor
+
+
 def is_exl3_checkpoint(server_args, hf_config) -> bool:
     """Whether SGLang will load this checkpoint with our method: `--quantization exl3`, or no other method asked for and
-    an EXL3 `quantization_config` or a claimed `hybrid_tr3_tail`."""
-    from sglang_exl3.format.rank_sliced import override_quantization_method
-
+    an EXL3 `quantization_config`, a claimed `hybrid_tr3_tail` or an R7 block."""
     asked = getattr(server_args, "quantization", None)
     if asked == "exl3":
         return True
@@ -105,8 +128,7 @@ def is_exl3_checkpoint(server_args, hf_config) -> bool:
     quant = getattr(hf_config, "quantization_config", None) or {}
     if isinstance(quant, dict) and quant.get("quant_method") == "exl3":
         return True
-    tail = getattr(hf_config, "hybrid_tr3_tail", None)
-    return tail is not None and override_quantization_method({"hybrid_tr3_tail": tail}, asked) == "exl3"
+    return _claimed_by_exl3(hf_config, asked)
 
 
 def keep_shared_experts_apart(server_args, hf_config) -> dict:

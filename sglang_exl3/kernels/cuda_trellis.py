@@ -580,6 +580,12 @@ class Exl3ExpertBank:
         n_tiles, k_tiles, splits, k2, codebook = meta
         return cls(rows=rows, n_tiles=n_tiles, k_tiles=k_tiles, splits=splits, k2=k2, codebook=codebook)
 
+    def runs_with(self, other: Exl3ExpertBank) -> bool:
+        """Whether one launch can run both banks (the fused forwards run gate and up as one group): same shape,
+        bits and codebook. R7 checkpoints give an expert's gate and up their own bitrates."""
+        return (self.n_tiles, self.k_tiles, self.k2, self.codebook) == (other.n_tiles, other.k_tiles, other.k2,
+                                                                         other.codebook)
+
 
 def make_expert_bank(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
                      codebook: Codebook, splits: int | None = None) -> Exl3ExpertBank:

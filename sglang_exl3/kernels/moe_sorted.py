@@ -103,9 +103,10 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
                run=group_run, fused: bool = True) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `fused`: the
     five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
-    (tests pass an emulator of the kernels)."""
+    (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused."""
     m, topk = topk_ids.shape
-    fused = fused and topk <= MAX_FUSED_TOPK
+    split = not gate.runs_with(up)
+    fused = fused and topk <= MAX_FUSED_TOPK and not split
     ids = flat_routing_ids(topk_ids)
     experts = gate.rows.shape[0]
     plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
@@ -115,16 +116,25 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
     xs.index_copy_(0, plan.rows, x.index_select(0, token).to(xs.dtype))  # + the dump row for ids below 0
     weights = topk_weights.reshape(-1).to(torch.float32)
-    gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
     dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
     if fused:
+        gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
         tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
                            gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part,
                            gate_up_slice=gate.k_tiles, down_slice=down.k_tiles)  # unsplit sources
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
-    gate_up = run(xs, gu_table, 2 * s, tile, gate.k_tiles, gu_items, gu_cols, gu_part, gate.k2, gate.codebook)
+    groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
+    gate_up = torch.cat([_run_group(run, xs, banks, plan) for banks in groups], dim=1)
     act = act_mul(gate_up, s, inter, gelu)  # [S * tile, I]: source-major, the sorted row order again
     y = run(act, dn_table, s, tile, down.k_tiles, dn_items, dn_cols, dn_part, down.k2, down.codebook)  # [tile, S * H]
     offsets = (plan.rows % tile) * (s * hidden) + torch.div(plan.rows, tile, rounding_mode="floor") * hidden
     offsets = torch.where(ids >= 0, offsets, 0)
     return moe_combine(y, weights, ids, topk, hidden, rows=offsets)
+
+
+def _run_group(run, xs: torch.Tensor, banks: list[Exl3ExpertBank], plan: SortedPlan) -> torch.Tensor:
+    """One group launch over the sorted tiles for banks that share bits and codebook."""
+    table, items, cols, part = sorted_table(banks, plan)
+    first = banks[0]
+    return run(xs, table, len(banks) * plan.sources, plan.tile, first.k_tiles, items, cols, part, first.k2,
+               first.codebook)

@@ -94,40 +94,40 @@ def _(x, tiles, suh, svh, table, meta, codebook):
     return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16), dtype=torch.float16)
 
 
-def _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta):
+def _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta):
     from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank
 
-    return (Exl3ExpertBank.from_meta(gate_rows, gate_up_meta), Exl3ExpertBank.from_meta(up_rows, gate_up_meta),
+    return (Exl3ExpertBank.from_meta(gate_rows, gate_meta), Exl3ExpertBank.from_meta(up_rows, up_meta),
             Exl3ExpertBank.from_meta(down_rows, down_meta))
 
 
 @torch.library.custom_op("exl3::moe_routed", mutates_args=())
 def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
-                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
-                    gelu: bool) -> torch.Tensor:
+                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_meta: list[int], up_meta: list[int],
+                    down_meta: list[int], gelu: bool) -> torch.Tensor:
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for fp16 x [m, K] (or bf16, read by the fused forward as if cast); only routed experts are read (ids < 0:
     another expert-parallel rank's, weight 0), one source per (token, expert) pair (kernels/moe_routed.py). The
     rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
     from sglang_exl3.kernels.moe_routed import routed_moe
 
-    banks = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)
+    banks = _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta)
     return routed_moe(x, topk_ids, topk_weights, *banks, gelu)
 
 
 @torch.library.custom_op("exl3::moe_sorted", mutates_args=())
 def exl3_moe_sorted(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
-                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
-                    gelu: bool) -> torch.Tensor:
+                    up_rows: torch.Tensor, down_rows: torch.Tensor, gate_meta: list[int], up_meta: list[int],
+                    down_meta: list[int], gelu: bool) -> torch.Tensor:
     """moe_routed's result over expert-sorted tiles (kernels/moe_sorted.py): each expert read once per tile of
     rows instead of once per (token, expert) pair; for batches whose pairs share experts."""
     from sglang_exl3.kernels.moe_sorted import sorted_moe
 
-    banks = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)
+    banks = _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta)
     return sorted_moe(x, topk_ids, topk_weights, *banks, gelu)
 
 
-def _moe_fake(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu):
+def _moe_fake(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta, gelu):
     return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=torch.float32)
 
 
@@ -144,7 +144,7 @@ def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     op mutates nothing that outlives it."""
     from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES, flat_routing_ids, moe_decode
 
-    gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, down_meta)
+    gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, gate_up_meta, down_meta)
     return moe_decode(x, flat_routing_ids(topk_ids), topk_weights.reshape(-1).to(torch.float32), gate, up, down,
                       topk_ids.shape[1], gelu, counters, out_dtype=DECODE_OUT_DTYPES[out_kind])
 

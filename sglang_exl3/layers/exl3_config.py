@@ -59,6 +59,7 @@ class Exl3Config(QuantizationConfig):
         self.claimed: set[str] = set()  # checkpoint modules some SGLang layer will load
         self.rank_sliced = None  # RankSlicedSpec of a hybrid_tr3_tail checkpoint
         self.rank_sliced_rank: int | None = None  # the .rank{r} slices this process loads
+        self.r7 = None  # R7Spec of a checkpoint with quantization_config.r7_routed_experts
         self._checked_claims = False
 
     def __repr__(self) -> str:
@@ -93,6 +94,9 @@ class Exl3Config(QuantizationConfig):
         tail = config.get("hybrid_tr3_tail") or getattr(hf_config, "hybrid_tr3_tail", None)
         if tail is not None:
             rank_sliced = parse({"hybrid_tr3_tail": tail}, path)  # RankSlicedError naming the offending key
+        from sglang_exl3.format import r7
+
+        r7_spec = r7.parse(r7.block_of(config)) if r7.claims(config) else None  # R7Error naming the key
         _check_embedding_knob(hf_config)
         ckpt = load_checkpoint(path)  # raises Exl3FormatError listing every problem
         sliced = next((n for n in ckpt.tensors if RANK_SLICED_WEIGHT_RE.match(n)), None)
@@ -103,9 +107,11 @@ class Exl3Config(QuantizationConfig):
         logger.info("EXL3 checkpoint %s: %d EXL3 modules, codebooks %s%s", path, len(ckpt.modules),
                     sorted({m.codebook.label for m in ckpt.modules.values()}),
                     f", rank-sliced experts ({rank_sliced.bits} bits, tp={rank_sliced.tp}, "
-                    f"{rank_sliced.rotation_layout})" if rank_sliced else "")
+                    f"{rank_sliced.rotation_layout})" if rank_sliced else
+                    f", R7 experts (layers {list(r7_spec.moe_layers)}, K {list(r7_spec.k_values)})" if r7_spec else "")
         out = cls(ckpt)
         out.rank_sliced = rank_sliced
+        out.r7 = r7_spec
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         _activate(out)
         return out
@@ -214,6 +220,8 @@ class Exl3Config(QuantizationConfig):
         layer_id = _LAYER_ID.search(f".{prefix}.")
         if self.rank_sliced is not None and layer_id and self.rank_sliced.covers(int(layer_id.group(1))):
             return self._rank_sliced_moe_method(layer, prefix, int(layer_id.group(1)))
+        if self.r7 is not None and layer_id and self.r7.covers(int(layer_id.group(1))):
+            return self._r7_moe_method(layer, prefix, int(layer_id.group(1)))
         for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
             records = {(e, role): self.record_for(f"{prefix}.{e}.{name}")
                        for e in range(n) for role, name in zip(("w1", "w3", "w2"), names, strict=True)}
@@ -228,6 +236,25 @@ class Exl3Config(QuantizationConfig):
             return Exl3MoEMethod(found, prefix, self)
         return None
 
+    def _r7_moe_method(self, layer: torch.nn.Module, prefix: str, layer_id: int):
+        """R7 experts: whole per-expert tensors at per-projection bitrates (sliced for MoE tensor parallelism at load,
+        like exllamav3's), the layer's shared hidden-side rotations loaded into expert 0's slot
+        (`integration.hooks.rank_sliced_weights` renames them)."""
+        from sglang_exl3.format.r7 import R7Error, expert_records, packed_bytes
+        from sglang_exl3.layers.moe import Exl3MoEMethod
+
+        if getattr(layer, "moe_ep_size", 1) > 1:
+            raise R7Error(f"{prefix}: R7 experts share one hidden-side rotation per layer, loaded with expert 0, so "
+                          "expert parallelism cannot split them; drop --ep-size (MoE tensor parallelism slices them)")
+        inter = getattr(layer, "intermediate_size_per_partition", 0) * getattr(layer, "moe_tp_size", 1)
+        records = expert_records(self.checkpoint.tensors, self.r7, prefix, layer_id, layer.num_experts,
+                                 layer.hidden_size, inter)
+        tight, padded = packed_bytes(records)
+        self.r7_bytes = tuple(a + b for a, b in zip(getattr(self, "r7_bytes", (0, 0)), (tight, padded), strict=True))
+        logger.info("EXL3 R7 layer %d: %.1f MiB of trellis at per-projection K (%.1f MiB padded to the widest K)",
+                    layer_id, tight / 2**20, padded / 2**20)
+        self.claimed |= {r.key for r in records.values()}
+        return Exl3MoEMethod(records, prefix, self, shared_h=True)
 
     def _rank_sliced_moe_method(self, layer: torch.nn.Module, prefix: str, layer_id: int):
         """Experts stored per tensor-parallel rank: this rank's slices, already cut, loaded under their

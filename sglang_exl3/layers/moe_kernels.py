@@ -1,7 +1,8 @@
 """EXL3 experts on our CUDA kernels: how a MoE layer's experts are held and run.
 
-Experts are grouped into tiers of one shape, bitrate and codebook (one tier unless the checkpoint mixes
-bitrates). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
+Experts are grouped into tiers of one shape, bitrate and codebook per role (one tier unless the checkpoint mixes
+bitrates; an R7 expert's gate, up and down may each have its own: a tier whose gate and up differ runs them as two
+groups, unfused). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
 - routed: `torch.ops.exl3.moe_decode` per tier, one m = 1 source per (token, expert) pair (decode) in two launches
   that find each pair's expert on the device, or from 1.5 pairs per expert `torch.ops.exl3.moe_sorted`
@@ -74,14 +75,12 @@ class ExpertTiers:
 
 
 def _expert_key(shards: dict[str, Exl3Shard]):
-    """An expert's tier key, or None if our kernels cannot run it as one unit (gate and up must share shape and
-    codebook; widths whole Hadamard blocks and untrimmed; weights in the kernel layout)."""
+    """An expert's tier key (each role's kernel-layout shape, which holds its bitrate, and codebook), or None if our
+    kernels cannot run it (widths whole Hadamard blocks and untrimmed; weights in the kernel layout). Gate and up
+    may differ in bitrate (R7): such a tier runs them as two groups."""
     if not all(s.launch_ready for s in shards.values()):
         return None
-    gate, up, down = (shards[r] for r in ROLES)
-    if gate.codebook != up.codebook or tuple(gate.trellis.shape) != tuple(up.trellis.shape):
-        return None
-    return tuple(gate.trellis.shape), int(gate.codebook), tuple(down.trellis.shape), int(down.codebook)
+    return tuple((tuple(shards[r].trellis.shape), int(shards[r].codebook)) for r in ROLES)
 
 
 def tier_groups(experts: list[dict[str, Exl3Shard]]) -> list[list[int]] | None:
@@ -182,16 +181,16 @@ def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tens
         gate, up, down = tier.banks
         ids = tiers.ids_in_tier(topk_ids, t)
         if sorted_rows(x.shape[0], topk, len(tier.experts)):
-            y = torch.ops.exl3.moe_sorted(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, down.meta,
-                                          gelu)
-        elif topk <= MAX_FUSED_TOPK and tier.counters is not None:
+            y = torch.ops.exl3.moe_sorted(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, up.meta,
+                                          down.meta, gelu)
+        elif topk <= MAX_FUSED_TOPK and tier.counters is not None and gate.runs_with(up):
             kind = DECODE_OUT_DTYPES.index(out_dtype) if len(tiers.tiers) == 1 and out_dtype in DECODE_OUT_DTYPES \
                 else 0
             y = torch.ops.exl3.moe_decode(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta,
                                           down.meta, gelu, tier.counters, kind)
         else:
-            y = torch.ops.exl3.moe_routed(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, down.meta,
-                                          gelu)
+            y = torch.ops.exl3.moe_routed(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, up.meta,
+                                          down.meta, gelu)
         out = y if out is None else out + y
     return out
 

@@ -39,12 +39,12 @@ def slice_expert(tensors: dict[str, torch.Tensor], proj: str, rank: int, tp: int
     return out
 
 
-def _expert_donors(dims: ModelDims, expert_bits: dict[int, list[int]], seed: int) -> dict[int, dict]:
-    """Per distinct K of a mixed map: the tensors of a whole per-expert checkpoint at that bitrate."""
+def expert_donors(dims: ModelDims, bits, seed: int) -> dict[int, dict]:
+    """Per distinct K in `bits`: the tensors of a whole per-expert checkpoint at that bitrate."""
     import tempfile
 
     donors = {}
-    for k in sorted({k for ks in expert_bits.values() for k in ks}):
+    for k in sorted(set(bits)):
         with tempfile.TemporaryDirectory() as tmp:
             write_exl3_checkpoint(tmp, "qwen3_moe", dims=dims, bits=k, codebook="mcg", seed=seed + k,
                                   with_tokenizer=False)
@@ -74,7 +74,7 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
         f.unlink()
     packer = ShardPacker()
     shared = rotation_layout == "shared_h_v1"
-    donors = _expert_donors(dims, expert_bits, seed) if expert_bits else {}
+    donors = expert_donors(dims, [k for ks in expert_bits.values() for k in ks], seed) if expert_bits else {}
     for key in list(sidecar["tensor_storage"]):
         parts = key.split(".")
         if len(parts) < 7 or parts[3:5] != ["mlp", "experts"] or parts[6] not in PROJECTIONS:

@@ -4,7 +4,8 @@ Every EXL3 linear becomes `<key>.weight` [out, in] = get_weight_tensor().T with 
 trimmed (and `<key>.bias`); the fp16 weight is bit-identical to exllamav3's `get_weight_tensor()`
 (see codec/weight.py). Rank-sliced experts (`hybrid_tr3_tail`) become whole per-expert weights: each
 rank's slice dequantized with its own (or the layer's shared-H) rotations, joined along the intermediate
-dimension. Other tensors are copied; floating ones are cast to --dtype. config.json loses its
+dimension; R7 experts (`r7_routed_experts`) likewise, each with its layer's shared hidden-side rotation. Other
+tensors are copied; floating ones are cast to --dtype. config.json loses its
 quantization_config (and hybrid_tr3_tail); tokenizer and other side files are copied. OUT must be empty.
 """
 
@@ -20,6 +21,7 @@ from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.weight import dequantize_weight
 from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
+from sglang_exl3.format.r7 import claims as r7_claims
 from sglang_exl3.format.rank_sliced import claims
 from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.tools.logical_shapes import logical_sizes, meta_model_shapes
@@ -61,6 +63,31 @@ def _rank_sliced_experts(ckpt: Exl3Checkpoint, device: str):
                 yield f"{prefix}.{e}.{proj}.weight", torch.cat(parts, dim=1 if role == "w2" else 0)
 
 
+def _r7_experts(ckpt: Exl3Checkpoint, device: str):
+    """(name, fp16 weight [out, in]) of every R7 routed expert, read through the loader's own `expert_records` (which
+    pairs each expert with its layer's shared hidden-side rotation)."""
+    from sglang_exl3.format import r7
+
+    spec = r7.parse(r7.block_of(ckpt.config))
+    dims = r7.expert_dims(ckpt.config)
+    if dims is None:
+        raise ValueError("config.json does not give the expert count, hidden and intermediate sizes of the R7 layers")
+    for layer in range(spec.moe_layers[0], spec.moe_layers[1] + 1):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        records = r7.expert_records(ckpt.tensors, spec, prefix, layer, *dims)
+        for record in records.values():
+            t = {f: ckpt.load_tensor(record.tensors[f].name, device) for f in ("trellis", "suh", "svh")}
+            w = dequantize_weight(t["trellis"], t["suh"], t["svh"], record.codebook)
+            yield f"{record.key}.weight", w.T.contiguous()
+
+
+def _is_r7_tensor(ckpt: Exl3Checkpoint, name: str) -> bool:
+    from sglang_exl3.format import r7
+
+    spec = r7.parse(r7.block_of(ckpt.config))
+    return spec.covers_name(name) and bool(r7.EXPERT_RE.match(name) or r7.SHARED_RE.match(name))
+
+
 def _is_rank_sliced_tensor(name: str) -> bool:
     from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, SHARED_H_WEIGHT_RE
 
@@ -97,18 +124,19 @@ def dequantize_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     keys = list(ckpt.modules)
     meta_shapes = meta_model_shapes(ckpt.config)
-    rank_sliced = claims(ckpt.config)
-    plain = [n for n in ckpt.plain_tensor_names() if not (rank_sliced and _is_rank_sliced_tensor(n))]
-    items = [("exl3", k) for k in keys] + [("plain", n) for n in plain] + ([("rank_sliced", "")] if rank_sliced
-                                                                          else [])
+    rank_sliced, has_r7 = claims(ckpt.config), r7_claims(ckpt.config)
+    plain = [n for n in ckpt.plain_tensor_names() if not (rank_sliced and _is_rank_sliced_tensor(n))
+             and not (has_r7 and _is_r7_tensor(ckpt, n))]
+    items = [("exl3", k) for k in keys] + [("plain", n) for n in plain] + \
+        ([("rank_sliced", "")] if rank_sliced else []) + ([("r7", "")] if has_r7 else [])
     if progress:
         from tqdm import tqdm
 
         items = tqdm(items, desc="dequantizing", unit="tensor")
     packer = ShardPacker(max_shard_bytes)
     for kind, name in items:
-        if kind == "rank_sliced":
-            for n, w in _rank_sliced_experts(ckpt, device):
+        if kind in ("rank_sliced", "r7"):
+            for n, w in (_rank_sliced_experts if kind == "rank_sliced" else _r7_experts)(ckpt, device):
                 packer.add({n: w.to(target).cpu()})
             continue
         if kind == "exl3":

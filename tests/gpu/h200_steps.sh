@@ -10,9 +10,11 @@
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
-# parity-moe / parity-rs / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our kernels by default):
-#                                         exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced fixture; GLM-4.5 / DeepSeek-V3
-#                                         hybrids (shared experts); a dense Llama / Qwen3-MoE with piecewise prefill graphs
+# parity-moe / parity-rs / parity-r7 / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our
+#                                         kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
+#                                         fixture; an R7 fixture; GLM-4.5 / DeepSeek-V3 hybrids (shared experts); a dense
+#                                         Llama / Qwen3-MoE with piecewise prefill graphs
+# embedding                               benchmarks/embedding.py: int8 / int6 embedding tables served ($EMBED_ARGS)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
@@ -103,6 +105,19 @@ run_step() {
     python3 -m sglang_exl3 write-fixture /tmp/rs-qwen3moe-mcg-3bpw --arch qwen3_moe --codebook mcg --bits 3 \
       --rank-sliced-tp 1 --rotation-layout shared_h_v1 >"$work/write.txt" 2>&1 || cat "$work/write.txt"
     parity rs --ckpt /tmp/rs-qwen3moe-mcg-3bpw
+    ;;
+  parity-r7)  # R7 routed experts: per-projection K3/K4/K5 (gate and up of two bitrates), shared rotations, modelopt label
+    site_env
+    python3 -m sglang_exl3 write-fixture /tmp/r7-qwen3moe --arch qwen3_moe --codebook mcg --bits 4 --r7 \
+      >"$work/write.txt" 2>&1 || cat "$work/write.txt"
+    parity r7 --ckpt /tmp/r7-qwen3moe
+    ;;
+  embedding)  # benchmarks/embedding.py: int8 / int6 tables on a Llama-3-8B-shaped model ($EMBED_ARGS)
+    site_env
+    stop_servers
+    timeout "${EMBED_TIMEOUT:-560}" python3 benchmarks/embedding.py --workdir /tmp/embed ${EMBED_ARGS:-} 2>&1 |
+      tee "$work/embedding.txt" | grep -v "^ROW" | tail -20
+    cp benchmarks/results/embedding-h200.* /tmp/embed/*.log "$work/" 2>/dev/null
     ;;
   parity-hybrid)  # GLM-4.5 and DeepSeek-V3 shaped hybrids (rank-sliced EXL3 experts, BF16 rest, shared experts)
     site_env

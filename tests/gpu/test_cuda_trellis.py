@@ -287,13 +287,15 @@ def test_group_op_both_sides_of_the_crossover(m):
     assert _rel(y.cpu(), ref) < 2e-3
 
 
-def _experts(n_experts: int, hidden: int, inter: int, bits: int, seed: int):
-    """Random EXL3 experts: per expert (gate, up, down) as (trellis, suh, svh) on the CPU."""
+def _experts(n_experts: int, hidden: int, inter: int, bits: int | tuple[int, int, int], seed: int):
+    """Random EXL3 experts: per expert (gate, up, down) as (trellis, suh, svh) on the CPU; `bits` per role or one
+    for all."""
     out = []
+    per_role = bits if isinstance(bits, tuple) else (bits,) * 3
     for e in range(n_experts):
         roles = []
         for r, (k, n) in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))):
-            t, s, v, _ = _case(k, n, bits, 1, seed=seed + 10 * e + r)
+            t, s, v, _ = _case(k, n, per_role[r], 1, seed=seed + 10 * e + r)
             roles.append((t, s, v))
         out.append(roles)
     return out
@@ -326,16 +328,18 @@ def test_routed_linear_equals_each_pair_run_alone():
 
 
 @pytest.mark.parametrize("op", ["moe_routed", "moe_sorted"])
-@pytest.mark.parametrize("m, topk, id_dtype", [(1, 2, torch.int32), (5, 3, torch.int64), (33, 2, torch.int32)])
-def test_moe_routed_op_matches_reference_and_captures(op, m, topk, id_dtype):
+@pytest.mark.parametrize("m, topk, id_dtype, bits", [(1, 2, torch.int32, 3), (5, 3, torch.int64, 3),
+                                                     (33, 2, torch.int32, 3), (5, 3, torch.int32, (3, 4, 5)),
+                                                     (33, 2, torch.int64, (5, 3, 4))])
+def test_moe_routed_op_matches_reference_and_captures(op, m, topk, id_dtype, bits):
     """torch.ops.exl3.moe_routed (one source per pair) and moe_sorted (expert-sorted tiles of 8 rows, with empty
     sources past the filled tiles at m = 33) against the codec: only routed experts, ids of -1 (another EP rank)
-    weigh 0, ids as SGLang hands them (int32) or int64; then the same op replayed from a CUDA graph on fresh
-    routing."""
+    weigh 0, ids as SGLang hands them (int32) or int64, gate and up at one bitrate (the fused forward) or at two
+    (R7: two groups); then the same op replayed from a CUDA graph on fresh routing."""
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
     n_exp, hidden, inter = 6, 256, 256
-    experts = _experts(n_exp, hidden, inter, 3, seed=7 * m)
+    experts = _experts(n_exp, hidden, inter, bits, seed=7 * m)
     gate, up, down = _banks(experts, Codebook.MUL1)
     gen = torch.Generator().manual_seed(m)
 
@@ -350,7 +354,8 @@ def test_moe_routed_op_matches_reference_and_captures(op, m, topk, id_dtype):
         return codec_moe(x, ids, w, experts, Codebook.MUL1)
 
     def run(x, ids, w):
-        return getattr(torch.ops.exl3, op)(x, ids, w, gate.rows, up.rows, down.rows, gate.meta, down.meta, False)
+        return getattr(torch.ops.exl3, op)(x, ids, w, gate.rows, up.rows, down.rows, gate.meta, up.meta, down.meta,
+                                           False)
 
     x, ids, w = case()
     y = run(x.cuda(), ids.cuda(), w.cuda())
