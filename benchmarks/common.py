@@ -167,5 +167,5 @@ def write_results(name: str, head: dict, rows: list[dict], columns: list[str]) -
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.2f}"
+        return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.2f}"
     return "" if v is None else str(v)

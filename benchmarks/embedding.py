@@ -80,7 +80,7 @@ def write_twin(src: Path, dst: Path, bits: int) -> None:
     for f in sorted(src.iterdir()):
         if f.suffix == ".safetensors" and TABLE in load_file(str(f), device="cpu").keys():
             tensors = load_file(str(f))
-            table = tensors[TABLE].to("cuda", dtype)
+            table = tensors[TABLE].to(dtype)  # on the CPU: CUDA memory held here would shrink the next server's KV
             codes, scales = codec.encode(table, bits)
             tensors[TABLE] = codec.decode(codes, scales, bits, dtype).to(tensors[TABLE].dtype).cpu()
             save_file(tensors, str(dst / f.name), metadata={"format": "pt"})

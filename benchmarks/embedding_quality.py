@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--skip-chars", type=int, default=3000, help="skip the file's front matter")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--label", default=None, help="the model's name in the results (default: the folder's)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                     help="the served model dtype: the table is loaded, encoded and decoded in it")
     args = ap.parse_args()
@@ -92,12 +93,21 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     head = {"command": " ".join(sys.argv), "python": platform.python_version(), "torch": torch.__version__,
             "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-            "model": Path(args.model).name, "text": Path(args.text).name, "tokens": int(ids.numel()),
+            "model": args.label or Path(args.model).name, "text": Path(args.text).name, "tokens": int(ids.numel()),
             "ctx": args.ctx, "vocab": int(table.shape[0]), "hidden": int(table.shape[1]),
             "seconds": round(time.time() - t0, 1)}
     slug = "cpu" if args.device == "cpu" else "gpu"
     path = RESULTS / f"embedding-quality-{slug}.json"
     path.write_text(json.dumps({"header": head, "rows": rows}, indent=2))
+    render(path)
+    print(f"wrote {path}")
+    return 0
+
+
+def render(path: Path) -> None:
+    """The Markdown table beside a results JSON."""
+    data = json.loads(path.read_text())
+    head, rows = data["header"], data["rows"]
     cols = ["table", "bits", "kl_mean", "kl_max", "ppl", "table_mib"]
     md = [f"# Embedding tables on a real model: {head['model']}", "", f"`{head['command']}`", "",
           f"{head['tokens']} tokens of {head['text']} in windows of {head['ctx']}; vocabulary {head['vocab']}, "
@@ -105,8 +115,6 @@ def main() -> int:
           f"{head['torch']} on {head['device']}.", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     path.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`SGLANG_EXL3_EMBED_ONLINE_BITS` through SGLang's real classes on the CPU: which layers take the int8 / int6 table,
-that the model's embedding equals the codec's on the checkpoint's own table, vocab-parallel sharding, and the setups
-that are refused at startup."""
+that the model's embedding equals the codec's on the checkpoint's own table, vocab-parallel sharding, EAGLE / MTP
+drafts sharing the encoded table, and the setups that are refused."""
 
 from __future__ import annotations
 
@@ -101,19 +101,82 @@ def test_tied_embeddings_are_refused_at_startup(monkeypatch, tmp_path):
     exl3_config(path)  # without the knob the same checkpoint is fine
 
 
-def test_speculative_decoding_with_an_encoded_table_is_refused(monkeypatch):
-    from sglang.srt.server_args import get_global_server_args
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """The tiny Llama dequantized: a plain model, as a BF16 EAGLE draft would be built (its embedding unquantized)."""
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    out = tmp_path_factory.mktemp("twin") / "llama"
+    dequantize_checkpoint(LLAMA, out, dtype="bfloat16", progress=False)
+    return out
+
+
+def _hand_over(target, draft):
+    """SGLang's draft worker hand-over (`draft.set_embed(target embedding weight)`, as EagleDraftWorker.init_lm_head
+    does for EAGLE3) run through the plugin's hook on it."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.integration.hooks import draft_shares_encoded_embedding
+
+    worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft))
+    draft_shares_encoded_embedding(lambda w: w.draft_runner.model.set_embed(target.get_embed()), worker)
+
+
+def test_a_bf16_draft_shares_the_encoded_table(monkeypatch, twin):
+    monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", "8")
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    draft, cfg = load_as_server(twin, dtype=torch.bfloat16)
+    assert cfg is None and type(draft.model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
+    _hand_over(target, draft)
+    embed = draft.model.embed_tokens
+    assert embed.exl3_embed_codes.data_ptr() == target.model.embed_tokens.exl3_embed_codes.data_ptr()  # one table
+    ids = torch.tensor([[3, 999, 0], [512, 5, 5]])
+    assert torch.equal(embed(ids), target.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("draft_bits, shared", [(8, True), (6, False)])
+def test_an_encoded_draft_shares_only_an_equal_table(monkeypatch, draft_bits, shared):
+    """An MTP-style draft that encoded its own copy of the table: equal codes and scales are shared (its own copy
+    is dropped); another representation is kept."""
+    monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", str(draft_bits))
+    draft, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    own = draft.model.embed_tokens.exl3_embed_codes
+    monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", "8")
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    _hand_over(target, draft)
+    embed, source = draft.model.embed_tokens, target.model.embed_tokens
+    assert (embed.exl3_embed_codes.data_ptr() == source.exl3_embed_codes.data_ptr()) == shared
+    assert shared or embed.exl3_embed_codes is own
+    ids = torch.tensor([1, 700, 33])
+    table = load_checkpoint(LLAMA).load_tensor("model.embed_tokens.weight")
+    codes, scales = codec.encode(table, draft_bits)
+    assert torch.equal(embed(ids), codec.lookup(codes, scales, ids, draft_bits, table.dtype))
+
+
+def test_a_draft_embedding_of_another_shape_cannot_share(monkeypatch):
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", "6")
-    args = get_global_server_args()
-    before = args.speculative_algorithm
-    args.override("test", speculative_algorithm="EAGLE")  # the published args are read-only otherwise
-    try:
-        with pytest.raises(KnobError, match="with --speculative-algorithm EAGLE: the draft model shares the "
-                                            "target's embedding table"):
-            exl3_config(LLAMA)
-    finally:
-        args.override("test", speculative_algorithm=before)
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    draft = torch.nn.Module()
+    draft.embed_tokens = VocabParallelEmbedding(512, target.model.embed_tokens.embedding_dim)
+    draft.set_embed = lambda embed: setattr(draft.embed_tokens, "weight", embed)
+    with pytest.raises(ValueError, match="draft embedding embed_tokens is 512 x 256 per rank, but the target's int6 "
+                                         "table is 1024 x 256"):
+        _hand_over(target, draft)
+
+
+def test_a_head_tied_to_the_encoded_table_is_refused(monkeypatch):
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", "8")
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    head = ParallelLMHead(1024, 256)
+    with pytest.raises(KnobError, match="incompatible with tied word embeddings"):
+        head.tie_weights(target.model.embed_tokens)
+    monkeypatch.delenv("SGLANG_EXL3_EMBED_ONLINE_BITS")
+    plain, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    assert head.tie_weights(plain.model.embed_tokens) is head  # an unencoded table ties as before
 
 
 def test_bad_values_and_widths_are_refused(monkeypatch):
@@ -126,3 +189,15 @@ def test_bad_values_and_widths_are_refused(monkeypatch):
         Exl3EmbeddingMethod(6).create_weights(torch.nn.Module(), 258, [64], 258, 64, torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot serve as an lm_head"):
         Exl3EmbeddingMethod(8, "model.embed_tokens").apply(torch.nn.Module(), torch.zeros(1, 8))
+
+
+def test_the_draft_workers_hand_over_through_the_hook():
+    """The plugin wraps each of SGLang's draft workers that hands a draft the target's embedding (a renamed method
+    would otherwise leave a draft reading the [0, H] stub)."""
+    import importlib
+
+    for module, cls, method in (("eagle_worker_v2", "EagleDraftWorker", "init_lm_head"),
+                                ("multi_layer_eagle_worker_v2", "MultiLayerEagleDraftWorker", "init_lm_head"),
+                                ("frozen_kv_mtp_worker_v2", "FrozenKVMTPDraftWorker", "__init__")):
+        worker = getattr(importlib.import_module(f"sglang.srt.speculative.{module}"), cls)
+        assert getattr(getattr(worker, method), "__wrapped__", None) is not None, (cls, method)

@@ -12,6 +12,8 @@ SGLang builds each model (target, then draft) right after creating its quantizat
 
 `embedding_quant_config`: likewise for the input embedding when `SGLANG_EXL3_EMBED_ONLINE_BITS` is set, so that
 every model's table is encoded, not only those of the classes that pass their config on (Mixtral does not).
+`draft_shares_encoded_embedding` gives EAGLE / MTP drafts the target's encoded table; `tied_head_refused` stops a
+head tied to it.
 
 `mixtral_through_fused_moe`: SGLang swaps `MixtralForCausalLM` for `QuantMixtralForCausalLM` (a loop over
 per-expert MLPs that runs every expert on every token, with its own fp16 routing) for every quantization
@@ -61,6 +63,30 @@ def _claimed_by_exl3(hf_config, user_quant: str | None) -> bool:
     quant = getattr(hf_config, "quantization_config", None)
     quant = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: None)()
     return isinstance(quant, dict) and r7.claims(quant) and user_quant in (None, "exl3")
+
+
+def draft_shares_encoded_embedding(original, self, *args, **kwargs):
+    """AROUND the speculative draft workers' embedding hand-over (`EagleDraftWorker.init_lm_head`,
+    `MultiLayerEagleDraftWorker.init_lm_head`, `FrozenKVMTPDraftWorker.__init__`): SGLang gives each draft model the
+    target's embedding weight, which an int8 / int6 table leaves a [0, H] stub; the draft's embedding then looks up
+    the target's encoded table (or keeps its own where that is encoded differently)."""
+    from sglang_exl3.layers.embedding import share_with_draft
+
+    result = original(self, *args, **kwargs)
+    runners = [getattr(self, "draft_runner", None), getattr(self, "draft_model_runner", None),
+               *(getattr(self, "draft_runner_list", None) or [])]
+    for runner in runners:
+        if getattr(runner, "model", None) is not None:
+            share_with_draft(runner.model)
+    return result
+
+
+def tied_head_refused(original, self, embed_tokens, *args, **kwargs):
+    """AROUND `ParallelLMHead.tie_weights`: a head tied to an int8 / int6 table would read its [0, H] stub."""
+    if getattr(getattr(embed_tokens, "weight", None), "exl3_source", None) is not None:
+        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={knobs.get('EMBED_ONLINE_BITS')} is incompatible with "
+                              "tied word embeddings (this model's lm_head reads the embedding table); unset it")
+    return original(self, embed_tokens, *args, **kwargs)
 
 
 def rank_sliced_quant_config(original, self, *args, **kwargs):
@@ -186,6 +212,12 @@ def register_hooks() -> None:
                           lm_head_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.layers.vocab_parallel_embedding.VocabParallelEmbedding.__init__",
                           embedding_quant_config, HookType.AROUND)
+    HookRegistry.register("sglang.srt.layers.vocab_parallel_embedding.ParallelLMHead.tie_weights",
+                          tied_head_refused, HookType.AROUND)
+    for worker in ("eagle_worker_v2.EagleDraftWorker.init_lm_head",
+                   "multi_layer_eagle_worker_v2.MultiLayerEagleDraftWorker.init_lm_head",
+                   "frozen_kv_mtp_worker_v2.FrozenKVMTPDraftWorker.__init__"):
+        HookRegistry.register(f"sglang.srt.speculative.{worker}", draft_shares_encoded_embedding, HookType.AROUND)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig._parse_quant_hf_config",
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",

@@ -296,7 +296,8 @@ def deactivate() -> None:
 
 
 def _check_embedding_knob(hf_config) -> None:
-    """SGLANG_EXL3_EMBED_ONLINE_BITS replaces the embedding table's weight; refuse the setups that read it."""
+    """SGLANG_EXL3_EMBED_ONLINE_BITS replaces the embedding table's weight; refuse a tied lm_head, which would read
+    it (a draft that shares the table is handed the encoded one: layers/embedding.share_with_draft)."""
     bits = knobs.get("EMBED_ONLINE_BITS")
     if not bits:
         return
@@ -304,16 +305,6 @@ def _check_embedding_knob(hf_config) -> None:
                                                                     "tie_word_embeddings", False):
         raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} is incompatible with tied word embeddings (this "
                               "model's lm_head reads the embedding table); unset it")
-    from sglang.srt.server_args import get_global_server_args
-
-    try:
-        algorithm = get_global_server_args().speculative_algorithm
-    except (AttributeError, ValueError):  # no server (a tool or a test that built no ServerArgs)
-        algorithm = None
-    if algorithm:
-        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} with --speculative-algorithm {algorithm}: the "
-                              "draft model shares the target's embedding table through its BF16 weight, which the "
-                              f"int{bits} table replaces; unset one of them")
 
 
 def _is_moe(layer: torch.nn.Module) -> bool:
