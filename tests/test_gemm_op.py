@@ -153,7 +153,8 @@ def test_moe_ops_fake_shape(op):
         ids = mode.from_tensor(torch.zeros(3, 2, dtype=torch.int64))
         w = mode.from_tensor(torch.rand(3, 2))
         rows = mode.from_tensor(torch.zeros(4, 8, dtype=torch.int64))
-        y = getattr(torch.ops.exl3, op)(x, ids, w, rows, rows, rows, [16, 16, 4, 6, 1], [16, 16, 4, 6, 1], False)
+        meta = [16, 16, 4, 6, 1]
+        y = getattr(torch.ops.exl3, op)(x, ids, w, rows, rows, rows, meta, meta, meta, False)
     assert tuple(y.shape) == (3, 256) and y.dtype == torch.float32
 
 

@@ -116,10 +116,10 @@ def _hand_over(target, draft):
     does for EAGLE3) run through the plugin's hook on it."""
     from types import SimpleNamespace
 
-    from sglang_exl3.integration.hooks import draft_shares_encoded_embedding
+    from sglang_exl3.integration.hooks import draft_shares_target_modules
 
     worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft))
-    draft_shares_encoded_embedding(lambda w: w.draft_runner.model.set_embed(target.get_embed()), worker)
+    draft_shares_target_modules(lambda w: w.draft_runner.model.set_embed(target.get_embed()), worker)
 
 
 def test_a_bf16_draft_shares_the_encoded_table(monkeypatch, twin):

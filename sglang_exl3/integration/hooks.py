@@ -12,8 +12,8 @@ SGLang builds each model (target, then draft) right after creating its quantizat
 
 `embedding_quant_config`: likewise for the input embedding when `SGLANG_EXL3_EMBED_ONLINE_BITS` is set, so that
 every model's table is encoded, not only those of the classes that pass their config on (Mixtral does not).
-`draft_shares_encoded_embedding` gives EAGLE / MTP drafts the target's encoded table; `tied_head_refused` stops a
-head tied to it.
+`draft_shares_target_modules` gives EAGLE / MTP drafts the target's EXL3 lm_head and encoded embedding table;
+`tied_head_refused` stops a head tied to an encoded table.
 
 `mixtral_through_fused_moe`: SGLang swaps `MixtralForCausalLM` for `QuantMixtralForCausalLM` (a loop over
 per-expert MLPs that runs every expert on every token, with its own fp16 routing) for every quantization
@@ -65,12 +65,13 @@ def _claimed_by_exl3(hf_config, user_quant: str | None) -> bool:
     return isinstance(quant, dict) and r7.claims(quant) and user_quant in (None, "exl3")
 
 
-def draft_shares_encoded_embedding(original, self, *args, **kwargs):
-    """AROUND the speculative draft workers' embedding hand-over (`EagleDraftWorker.init_lm_head`,
+def draft_shares_target_modules(original, self, *args, **kwargs):
+    """AROUND the speculative draft workers' hand-over (`EagleDraftWorker.init_lm_head`,
     `MultiLayerEagleDraftWorker.init_lm_head`, `FrozenKVMTPDraftWorker.__init__`): SGLang gives each draft model the
-    target's embedding weight, which an int8 / int6 table leaves a [0, H] stub; the draft's embedding then looks up
-    the target's encoded table (or keeps its own where that is encoded differently)."""
-    from sglang_exl3.layers.embedding import share_with_draft
+    target's embedding and lm_head weights, which an EXL3 head and an int8 / int6 table leave as [0, H] stubs; the
+    draft then uses the target's head module and looks up the target's encoded table (or keeps its own table where
+    that is encoded differently)."""
+    from sglang_exl3.layers.draft_sharing import share_with_draft
 
     result = original(self, *args, **kwargs)
     runners = [getattr(self, "draft_runner", None), getattr(self, "draft_model_runner", None),
@@ -217,7 +218,7 @@ def register_hooks() -> None:
     for worker in ("eagle_worker_v2.EagleDraftWorker.init_lm_head",
                    "multi_layer_eagle_worker_v2.MultiLayerEagleDraftWorker.init_lm_head",
                    "frozen_kv_mtp_worker_v2.FrozenKVMTPDraftWorker.__init__"):
-        HookRegistry.register(f"sglang.srt.speculative.{worker}", draft_shares_encoded_embedding, HookType.AROUND)
+        HookRegistry.register(f"sglang.srt.speculative.{worker}", draft_shares_target_modules, HookType.AROUND)
     HookRegistry.register("sglang.srt.configs.model_config.ModelConfig._parse_quant_hf_config",
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",

@@ -9,8 +9,8 @@ finds it, and code that would read the rows fails loudly instead of reading stal
 lm_head would read the table) are refused when the config is built and when a model ties its head, naming the knob.
 
 EAGLE and MTP drafts receive the target's embedding as its weight (`set_embed_and_head` / `set_embed`), which is the
-stub: `share_with_draft` then gives the draft's embedding the target's encoded table, or keeps the draft's own
-where it is encoded differently (the reference's rule: share only an equal representation).
+stub: `draft_sharing.share_with_draft` then gives the draft's embedding the target's encoded table, or keeps the
+draft's own where it is encoded differently (the reference's rule: share only an equal representation).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         del layer.weight
         stub = torch.nn.Parameter(torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device),
                                   requires_grad=False)
-        stub.exl3_source = layer  # a draft handed this weight shares the encoded table (share_with_draft)
+        stub.exl3_source = layer  # a draft handed this weight shares the encoded table (draft_sharing)
         layer.register_parameter("weight", stub)
         del table
         if codes.is_cuda:
@@ -71,37 +71,3 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         raise RuntimeError(f"EXL3 embedding {self.prefix}: an int{self.bits} embedding table cannot serve as an "
                            "lm_head (tied embeddings are refused with SGLANG_EXL3_EMBED_ONLINE_BITS)")
 
-
-def share_with_draft(draft: torch.nn.Module) -> int:
-    """After SGLang handed a draft model the target's embedding weight: every exact VocabParallelEmbedding of the
-    draft that now holds an encoded table's stub looks up the target's table (same codes and scales, same
-    tensors), unless it encoded its own table differently, which it then keeps. A draft embedding of another
-    shape cannot share: ValueError naming both. Returns how many embeddings share the target's table."""
-    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    shared = 0
-    for name, module in draft.named_modules():
-        source = getattr(getattr(module, "weight", None), "exl3_source", None)
-        if type(module) is not VocabParallelEmbedding or source is None or source is module:
-            continue
-        codes, scales, bits = source.exl3_embed_codes, source.exl3_embed_scales, source.quant_method.bits
-        if (module.num_embeddings_per_partition, module.embedding_dim) != (codes.shape[0], source.embedding_dim):
-            raise ValueError(f"draft embedding {name} is {module.num_embeddings_per_partition} x "
-                             f"{module.embedding_dim} per rank, but the target's int{bits} table is {codes.shape[0]} x "
-                             f"{source.embedding_dim}: they cannot be shared; unset SGLANG_EXL3_EMBED_ONLINE_BITS")
-        own = getattr(module, "exl3_embed_codes", None)
-        if own is not None and not (module.quant_method.bits == bits and torch.equal(own, codes)
-                                    and torch.equal(module.exl3_embed_scales, scales)):
-            stub = torch.nn.Parameter(source.weight.new_empty(source.weight.shape), requires_grad=False)
-            stub.exl3_source = module
-            module.weight = stub  # its own table, encoded differently: kept
-            logger.info("EXL3 embedding %s: the draft keeps its own int%d table (the target's int%d table differs)",
-                        name, module.quant_method.bits, bits)
-            continue
-        module.quant_method = source.quant_method
-        module.exl3_embed_dtype = source.exl3_embed_dtype
-        module.register_buffer("exl3_embed_codes", codes, persistent=False)
-        module.register_buffer("exl3_embed_scales", scales, persistent=False)
-        shared += 1
-        logger.info("EXL3 embedding %s: the draft shares the target's int%d table", name, bits)
-    return shared

@@ -188,6 +188,7 @@ class Exl3Config(QuantizationConfig):
             record = self.record_for(prefix or "lm_head")
             if record is None:
                 return None
+            _check_token_map(record.key)
             self.claimed.add(record.key)
             return Exl3LinearMethod({None: record}, prefix or "lm_head", self)
         if isinstance(layer, VocabParallelEmbedding):  # BF16 in EXL3 checkpoints; int8/int6 at load on request
@@ -297,7 +298,7 @@ def deactivate() -> None:
 
 def _check_embedding_knob(hf_config) -> None:
     """SGLANG_EXL3_EMBED_ONLINE_BITS replaces the embedding table's weight; refuse a tied lm_head, which would read
-    it (a draft that shares the table is handed the encoded one: layers/embedding.share_with_draft)."""
+    it (a draft that shares the table is handed the encoded one: layers/draft_sharing.py)."""
     bits = knobs.get("EMBED_ONLINE_BITS")
     if not bits:
         return
@@ -305,6 +306,21 @@ def _check_embedding_knob(hf_config) -> None:
                                                                     "tie_word_embeddings", False):
         raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} is incompatible with tied word embeddings (this "
                               "model's lm_head reads the embedding table); unset it")
+
+
+def _check_token_map(key: str) -> None:
+    """`--speculative-token-map` gives an EAGLE draft the target head's rows of its hot tokens (`head[hot_ids]`); an
+    EXL3 head has no dense rows to take (the draft shares the whole head module instead)."""
+    from sglang.srt.server_args import get_global_server_args
+
+    try:
+        token_map = get_global_server_args().speculative_token_map
+    except (AttributeError, ValueError):  # no server (a tool or a test that built no ServerArgs)
+        return
+    if token_map:
+        raise ValueError(f"--speculative-token-map {token_map}: the EAGLE draft would take rows of the target's "
+                         f"lm_head, but {key} is EXL3 (no dense rows); drop the token map (the draft then shares the "
+                         "whole EXL3 head), or serve a checkpoint whose lm_head is unquantized (exllamav3 -hb 16)")
 
 
 def _is_moe(layer: torch.nn.Module) -> bool:

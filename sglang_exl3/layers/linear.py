@@ -236,6 +236,13 @@ class Exl3LinearMethod(LinearMethodBase):
         layer.exl3_backend = int(backend)
         del layer.exl3_loaded
         release_placeholders(layer, device)
+        if isinstance(layer, ParallelLMHead):
+            # what SGLang hands a speculative draft (`get_embed_and_head`): a stub naming this head, which the
+            # plugin's hook swaps for the head itself (layers/draft_sharing.py)
+            stub = torch.nn.Parameter(torch.empty(0, layer.embedding_dim, dtype=torch.float16, device=device),
+                                      requires_grad=False)
+            stub.exl3_head = layer
+            layer.register_parameter("weight", stub)
         if knobs.get("LOG_PATH_SELECTION"):
             logger.info("EXL3 path %s -> %s (%s)", self.prefix, Backend(backend).name.lower(),
                         ", ".join(f"{s.key}: {s.codebook.label}" for s in shards))

@@ -15,6 +15,8 @@
 #                                         fixture; an R7 fixture; GLM-4.5 / DeepSeek-V3 hybrids (shared experts); a dense
 #                                         Llama / Qwen3-MoE with piecewise prefill graphs
 # embedding                               benchmarks/embedding.py: int8 / int6 embedding tables served ($EMBED_ARGS)
+# spec                                    tests/gpu/spec_lossless.py: speculative decoding on an EXL3 target is lossless
+#                                         (NGRAM, EAGLE, STANDALONE; $SPEC_ARGS, e.g. --algorithms EAGLE)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
@@ -118,6 +120,12 @@ run_step() {
     timeout "${EMBED_TIMEOUT:-560}" python3 benchmarks/embedding.py --workdir /tmp/embed ${EMBED_ARGS:-} 2>&1 |
       tee "$work/embedding.txt" | grep -v "^ROW" | tail -20
     cp benchmarks/results/embedding-h200.* /tmp/embed/*.log "$work/" 2>/dev/null
+    ;;
+  spec)  # tests/gpu/spec_lossless.py: NGRAM, EAGLE (random BF16 draft), STANDALONE on the exllamav3-made tiny Llama
+    site_env
+    stop_servers
+    timeout "${SPEC_TIMEOUT:-560}" python3 tests/gpu/spec_lossless.py "$work" --target tests/data/exllamav3/tiny-llama-mul1-4bpw \
+      ${SPEC_ARGS:-} 2>&1 | tee "$work/spec.txt" | tail -12
     ;;
   parity-hybrid)  # GLM-4.5 and DeepSeek-V3 shaped hybrids (rank-sliced EXL3 experts, BF16 rest, shared experts)
     site_env

@@ -1,0 +1,76 @@
+"""Speculative decoding with an EXL3 target, through SGLang's real model classes on the CPU: what the draft takes from
+the target at SGLang's hand-over (`get_embed_and_head` -> `set_embed_and_head`), and what is refused at startup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DATA
+from sglang_cpu import exl3_config, load_as_server, sglang_runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+LLAMA = DATA / "exllamav3" / "tiny-llama-mul1-4bpw"  # its lm_head is EXL3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    sglang_runtime(str(LLAMA))
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    """A plain (BF16) model of the target's shape, as an EAGLE draft is: the dequantized twin."""
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    out = tmp_path_factory.mktemp("draft") / "llama"
+    dequantize_checkpoint(LLAMA, out, dtype="bfloat16", progress=False)
+    return out
+
+
+def _hand_over(target, draft):
+    """EagleDraftWorker.init_lm_head for EAGLE / NEXTN (`draft.set_embed_and_head(*target.get_embed_and_head())`),
+    run through the plugin's hook on it."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.integration.hooks import draft_shares_target_modules
+
+    worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft))
+    draft_shares_target_modules(lambda w: w.draft_runner.model.set_embed_and_head(*target.get_embed_and_head()),
+                                worker)
+
+
+@pytest.mark.parametrize("embed_bits", [None, 8])
+def test_the_draft_uses_the_target_exl3_head(monkeypatch, draft_path, embed_bits):
+    """The EXL3 head hands over a stub (no AttributeError as before), and the draft ends up computing its logits
+    with the target's EXL3 head module, its embedding with the target's table (BF16 or encoded)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    if embed_bits:
+        monkeypatch.setenv("SGLANG_EXL3_EMBED_ONLINE_BITS", str(embed_bits))
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    draft, cfg = load_as_server(draft_path, dtype=torch.bfloat16)
+    assert cfg is None and target.lm_head.weight.shape == (0, target.lm_head.embedding_dim)
+    _hand_over(target, draft)
+    assert draft.lm_head is target.lm_head
+    hidden = torch.randn(3, target.lm_head.embedding_dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    processor = LogitsProcessor(target.config)
+    want = processor._compute_lm_head(hidden, target.lm_head)
+    assert torch.equal(processor._compute_lm_head(hidden, draft.lm_head), want)
+    assert want.shape[-1] >= target.config.vocab_size and torch.isfinite(want.float()).all()
+    ids = torch.tensor([4, 1000, 77])
+    assert torch.equal(draft.model.embed_tokens(ids), target.model.embed_tokens(ids))
+
+
+def test_a_token_map_is_refused_with_an_exl3_head(tmp_path):
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    before = args.speculative_token_map
+    args.override("test", speculative_token_map=str(tmp_path / "hot.pt"))  # the published args are read-only
+    try:
+        with pytest.raises(ValueError, match="--speculative-token-map .*lm_head is EXL3 .*drop the token map"):
+            load_as_server(LLAMA)
+    finally:
+        args.override("test", speculative_token_map=before)
+    exl3_config(LLAMA)  # without the map the same checkpoint loads
