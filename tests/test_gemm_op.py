@@ -174,7 +174,8 @@ def _expert(seed, bits=3, cb=Codebook.MCG, down_out=None):
 
 def test_tiers_group_experts_by_bitrate_and_refuse_what_our_kernels_cannot_run():
     """Experts of one shape/bitrate/codebook form a tier (mixed-bitrate checkpoints: one tier per K, in order of
-    first appearance); an expert with trimmed widths or gate/up that differ has no tier at all."""
+    first appearance; gate and up of two bitrates, R7, are a key of their own); an expert with trimmed widths has no
+    tier at all."""
     from sglang_exl3.layers.moe_kernels import tier_groups
 
     assert tier_groups([_expert(1), _expert(2, bits=4), _expert(3), _expert(4, bits=4), _expert(5, bits=5)]) == \
@@ -182,8 +183,8 @@ def test_tiers_group_experts_by_bitrate_and_refuse_what_our_kernels_cannot_run()
     assert tier_groups([_expert(1), _expert(2, cb=Codebook.MUL1)]) == [[0], [1]]
     assert tier_groups([_expert(1), _expert(2, down_out=240)]) is None  # trimmed width
     odd = _expert(3)
-    odd["w3"] = _expert_shard(256, 128, 9, bits=4)  # gate 3 bits, up 4 bits: cannot share launches
-    assert tier_groups([_expert(1), odd]) is None
+    odd["w3"] = _expert_shard(256, 128, 9, bits=4)  # gate 3 bits, up 4 bits (R7): a tier of its own
+    assert tier_groups([_expert(1), odd, _expert(4)]) == [[0, 2], [1]]
 
 
 def test_tier_ids_and_slab_positions():
