@@ -127,8 +127,8 @@ run_step() {
     # SGLang 0.5.17's EAGLE graph capture imports its DeepSeek sparse-attention backend, which imports deep_gemm at
     # module level (used only inside DeepSeek paths); the bundle has no deep_gemm, so an empty module stands in
     mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
-      >/tmp/stubs/deep_gemm/__init__.py
-    PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-560}" python3 tests/gpu/spec_lossless.py "$work" --target tests/data/exllamav3/tiny-llama-mul1-4bpw \
+      >/tmp/stubs/deep_gemm/__init__.py  # and SGLang told not to use it
+    SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-560}" python3 tests/gpu/spec_lossless.py "$work" --target tests/data/exllamav3/tiny-llama-mul1-4bpw \
       ${SPEC_ARGS:-} 2>&1 | tee "$work/spec.txt" | tail -12
     ;;
   parity-hybrid)  # GLM-4.5 and DeepSeek-V3 shaped hybrids (rank-sliced EXL3 experts, BF16 rest, shared experts)
