@@ -123,3 +123,28 @@ def load_model(path: Path):
     if cfg is None:
         raise ValueError(f"{path} is not an EXL3 checkpoint")
     return model, cfg
+
+
+def bf16_twin(path: Path, out: Path) -> Path:
+    """`path` dequantized to BF16: a plain model of the same shape, as a BF16 EAGLE draft is built."""
+    from sglang_exl3.tools.dequantize import dequantize_checkpoint
+
+    dequantize_checkpoint(path, out, dtype="bfloat16", progress=False)
+    return out
+
+
+def draft_hand_over(target, draft, with_head: bool) -> None:
+    """SGLang's draft-worker hand-over run through the plugin's hook on it: `draft.set_embed_and_head(*target
+    .get_embed_and_head())` as EagleDraftWorker.init_lm_head does for EAGLE / NEXTN, or `draft.set_embed(...)` as
+    for EAGLE3."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.integration.hooks import draft_shares_target_modules
+
+    def init_lm_head(worker):
+        if with_head:
+            worker.draft_runner.model.set_embed_and_head(*target.get_embed_and_head())
+        else:
+            worker.draft_runner.model.set_embed(target.get_embed())
+
+    draft_shares_target_modules(init_lm_head, SimpleNamespace(draft_runner=SimpleNamespace(model=draft)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from sglang_cpu import exl3_config, load_as_server, sglang_runtime
+from sglang_cpu import bf16_twin, draft_hand_over, exl3_config, load_as_server, sglang_runtime
 from sglang_exl3.codec import embedding as codec
 from sglang_exl3.format import load_checkpoint
 from sglang_exl3.knobs import KnobError
@@ -103,23 +103,11 @@ def test_tied_embeddings_are_refused_at_startup(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory):
-    """The tiny Llama dequantized: a plain model, as a BF16 EAGLE draft would be built (its embedding unquantized)."""
-    from sglang_exl3.tools.dequantize import dequantize_checkpoint
-
-    out = tmp_path_factory.mktemp("twin") / "llama"
-    dequantize_checkpoint(LLAMA, out, dtype="bfloat16", progress=False)
-    return out
+    return bf16_twin(LLAMA, tmp_path_factory.mktemp("twin") / "llama")
 
 
 def _hand_over(target, draft):
-    """SGLang's draft worker hand-over (`draft.set_embed(target embedding weight)`, as EagleDraftWorker.init_lm_head
-    does for EAGLE3) run through the plugin's hook on it."""
-    from types import SimpleNamespace
-
-    from sglang_exl3.integration.hooks import draft_shares_target_modules
-
-    worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft))
-    draft_shares_target_modules(lambda w: w.draft_runner.model.set_embed(target.get_embed()), worker)
+    draft_hand_over(target, draft, with_head=False)  # EAGLE3's: the embedding only
 
 
 def test_a_bf16_draft_shares_the_encoded_table(monkeypatch, twin):

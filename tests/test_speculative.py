@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DATA
-from sglang_cpu import exl3_config, load_as_server, sglang_runtime
+from sglang_cpu import bf16_twin, draft_hand_over, exl3_config, load_as_server, sglang_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 LLAMA = DATA / "exllamav3" / "tiny-llama-mul1-4bpw"  # its lm_head is EXL3
@@ -20,24 +20,11 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def draft_path(tmp_path_factory):
-    """A plain (BF16) model of the target's shape, as an EAGLE draft is: the dequantized twin."""
-    from sglang_exl3.tools.dequantize import dequantize_checkpoint
-
-    out = tmp_path_factory.mktemp("draft") / "llama"
-    dequantize_checkpoint(LLAMA, out, dtype="bfloat16", progress=False)
-    return out
+    return bf16_twin(LLAMA, tmp_path_factory.mktemp("draft") / "llama")
 
 
 def _hand_over(target, draft):
-    """EagleDraftWorker.init_lm_head for EAGLE / NEXTN (`draft.set_embed_and_head(*target.get_embed_and_head())`),
-    run through the plugin's hook on it."""
-    from types import SimpleNamespace
-
-    from sglang_exl3.integration.hooks import draft_shares_target_modules
-
-    worker = SimpleNamespace(draft_runner=SimpleNamespace(model=draft))
-    draft_shares_target_modules(lambda w: w.draft_runner.model.set_embed_and_head(*target.get_embed_and_head()),
-                                worker)
+    draft_hand_over(target, draft, with_head=True)  # EAGLE / NEXTN: embedding and lm_head
 
 
 @pytest.mark.parametrize("embed_bits", [None, 8])

@@ -13,14 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from sglang_exl3.format import r7
 from sglang_exl3.format.constants import SIDECAR_NAME
 from sglang_exl3.format.shards import ShardPacker
-from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
-from sglang_exl3.synth.rank_sliced_writer import expert_donors
+from sglang_exl3.synth.exl3_writer import ModelDims
+from sglang_exl3.synth.rank_sliced_writer import expert_donors, moe_base
 
 # (gate, up, down) K per expert, cycled over the experts: gate and up at one bitrate (the fused forwards) and at two
 # (gate and up run as two groups), every K of {3, 4, 5} in every role.
@@ -37,13 +34,7 @@ def write_r7_checkpoint(out_dir: str | Path, dims: ModelDims | None = None,
     if not set(ks) <= set(r7.ALLOWED_K):
         raise ValueError(f"R7 bitrates must lie in {r7.ALLOWED_K}, got {ks}")
     out = Path(out_dir)
-    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed,
-                          with_tokenizer=with_tokenizer)
-    sidecar = json.loads((out / SIDECAR_NAME).read_text())
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-        f.unlink()
+    sidecar, tensors = moe_base(out, dims, bits, seed, with_tokenizer)
     donors = expert_donors(dims, ks, seed)
     packer = ShardPacker()
     for key in list(sidecar["tensor_storage"]):

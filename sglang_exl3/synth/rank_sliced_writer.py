@@ -54,6 +54,19 @@ def expert_donors(dims: ModelDims, bits, seed: int) -> dict[int, dict]:
     return donors
 
 
+def moe_base(out: Path, dims: ModelDims, bits: int, seed: int, with_tokenizer: bool) -> tuple[dict, dict]:
+    """A per-expert Qwen3-MoE EXL3 checkpoint (MCG) written to `out` and taken apart for rewriting: its sidecar and
+    every tensor, with the shards deleted."""
+    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed,
+                          with_tokenizer=with_tokenizer)
+    sidecar = json.loads((out / SIDECAR_NAME).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+        f.unlink()
+    return sidecar, tensors
+
+
 def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = None, bits: int = 3, tp: int = 2,
                                  rotation_layout: str = "per_expert_v1", seed: int = 0,
                                  with_tokenizer: bool = False,
@@ -65,13 +78,7 @@ def write_rank_sliced_checkpoint(out_dir: str | Path, dims: ModelDims | None = N
         raise ValueError(f"moe_intermediate_size {dims.moe_intermediate_size} does not split into {tp} slices of "
                          f"a multiple of {ALIGN}")
     out = Path(out_dir)
-    write_exl3_checkpoint(out, "qwen3_moe", dims=dims, bits=bits, codebook="mcg", seed=seed,
-                          with_tokenizer=with_tokenizer)
-    sidecar = json.loads((out / SIDECAR_NAME).read_text())
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-        f.unlink()
+    sidecar, tensors = moe_base(out, dims, bits, seed, with_tokenizer)
     packer = ShardPacker()
     shared = rotation_layout == "shared_h_v1"
     donors = expert_donors(dims, [k for ks in expert_bits.values() for k in ks], seed) if expert_bits else {}
