@@ -61,3 +61,46 @@ def test_a_token_map_is_refused_with_an_exl3_head(tmp_path):
     finally:
         args.override("test", speculative_token_map=before)
     exl3_config(LLAMA)  # without the map the same checkpoint loads
+
+
+def _with_copied_modules(out, copies: dict[str, str]):
+    """The tiny writer's Llama with extra EXL3 modules (new key -> copy of an existing module), listed in the
+    sidecar: MTP / next-token layers as checkpoints carry them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint
+
+    write_exl3_checkpoint(out, "llama", seed=1)
+    tensors = load_file(str(out / "model.safetensors"))
+    sidecar = json.loads((out / "quantization_config.json").read_text())
+    for new, src in copies.items():
+        tensors.update({new + n[len(src):]: t.clone() for n, t in list(tensors.items()) if n.startswith(src + ".")})
+        entry = json.loads(json.dumps(sidecar["tensor_storage"][src]))
+        entry["stored_tensors"] = {new + k[len(src):]: v for k, v in entry.get("stored_tensors", {}).items()}
+        sidecar["tensor_storage"][new] = entry
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "quantization_config.json").write_text(json.dumps(sidecar))
+    return out
+
+
+@pytest.mark.parametrize("mtp_key", ["mtp.layers.0.mlp.down_proj", "model.layers.2.mlp.down_proj"],
+                         ids=["qwen3.5-mtp", "nextn-layer"])
+def test_mtp_layers_are_skipped_without_speculation(tmp_path, caplog, mtp_key):
+    """seeds.md F25: a checkpoint's EXL3 MTP layer (Qwen3.5's `mtp.layers.0.*`, or DeepSeek / GLM's
+    `model.layers.{num_hidden_layers}.*`) is not built without speculative decoding; the load goes on and says so,
+    instead of stopping on modules no layer claims (which it did for `mtp.layers.0`: layer 0 is built)."""
+    import logging
+
+    path = _with_copied_modules(tmp_path / "ckpt", {mtp_key: "model.layers.1.mlp.down_proj"})
+    with caplog.at_level(logging.INFO, logger="sglang_exl3.layers.exl3_config"):
+        model, cfg = load_as_server(path)
+    assert mtp_key not in cfg.claimed and "model.layers.1.mlp.down_proj" in cfg.claimed
+    assert mtp_key.rsplit(".", 2)[0] in caplog.text and "not built by this model" in caplog.text
+
+
+def test_a_module_of_a_built_layer_that_nothing_claims_still_stops_the_load(tmp_path):
+    path = _with_copied_modules(tmp_path / "ckpt", {"model.layers.1.mlp.extra_proj": "model.layers.1.mlp.down_proj"})
+    with pytest.raises(ValueError, match=r"have no EXL3 layer .*model.layers.1.mlp.extra_proj"):
+        load_as_server(path)

@@ -124,14 +124,20 @@ class Exl3Config(QuantizationConfig):
 
         SGLang's weight loaders skip names they do not know, so an EXL3 matrix whose SGLang layer
         was built unquantized (a name mismatch) would vanish silently and leave garbage weights.
-        Layers outside the built range (pipeline parallelism) are not required.
+        Layers this model does not build are not required, each stack of layers counted on its own: other pipeline
+        stages, and MTP / next-token layers when speculation is off (`mtp.layers.0.*` beside `model.layers.0.*`, or
+        `model.layers.{num_hidden_layers}.*`); those are logged.
         """
         if self._checked_claims or self.checkpoint is None:
             return
         self._checked_claims = True
-        built = {m.group(1) for k in self.claimed if (m := _LAYER_ID.search(k))}
-        lost = sorted(k for k in self.checkpoint.modules if k not in self.claimed
-                      and ((m := _LAYER_ID.search(k)) is None or m.group(1) in built))
+        built = {_stack_layer(k) for k in self.claimed} - {None}
+        unclaimed = [k for k in self.checkpoint.modules if k not in self.claimed]
+        lost = sorted(k for k in unclaimed if _stack_layer(k) is None or _stack_layer(k) in built)
+        unbuilt = sorted({".".join(_stack_layer(k)) for k in unclaimed if _stack_layer(k) not in (None, *built)})
+        if unbuilt:
+            logger.info("EXL3: the checkpoint's layers %s are not built by this model (other pipeline stages, or MTP "
+                        "layers without speculative decoding); their EXL3 modules are not loaded", unbuilt)
         if lost:
             raise ValueError(f"{len(lost)} EXL3 module(s) of {self.checkpoint.path} have no EXL3 layer in the SGLang "
                              f"model, so their weights would be dropped: {lost[:8]}{' ...' if len(lost) > 8 else ''}. "
@@ -273,6 +279,12 @@ class Exl3Config(QuantizationConfig):
         records = expert_records(self.checkpoint.tensors, spec, prefix, layer_id, rank)
         return Exl3MoEMethod(records, prefix, self, pre_sliced=True,
                              shared_h=spec.rotation_layout == "shared_h_v1")
+
+
+def _stack_layer(key: str) -> tuple[str, str] | None:
+    """(the layer stack, the layer index) of a module key: `mtp.layers.0.mlp.down_proj` -> ("mtp.layers", "0")."""
+    m = _LAYER_ID.search(f".{key}.")
+    return (key[: max(m.start(), 0)] + "layers", m.group(1)) if m else None
 
 
 _ACTIVE: Exl3Config | None = None  # the Exl3Config most recently created in this process
