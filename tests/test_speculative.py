@@ -104,3 +104,14 @@ def test_a_module_of_a_built_layer_that_nothing_claims_still_stops_the_load(tmp_
     path = _with_copied_modules(tmp_path / "ckpt", {"model.layers.1.mlp.extra_proj": "model.layers.1.mlp.down_proj"})
     with pytest.raises(ValueError, match=r"have no EXL3 layer .*model.layers.1.mlp.extra_proj"):
         load_as_server(path)
+
+
+def test_a_draft_head_of_another_vocabulary_cannot_share(monkeypatch):
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    target, _ = load_as_server(LLAMA, dtype=torch.bfloat16)
+    draft = torch.nn.Module()
+    draft.lm_head = ParallelLMHead(512, target.lm_head.embedding_dim)
+    draft.set_embed_and_head = lambda embed, head: setattr(draft.lm_head, "weight", head)
+    with pytest.raises(ValueError, match="draft lm_head is 512 x 256 per rank, the target's EXL3 lm_head 1024 x 256"):
+        draft_hand_over(target, draft, with_head=True)

@@ -23,12 +23,19 @@ def share_with_draft(draft: torch.nn.Module) -> tuple[int, int]:
 
 def share_lm_head(draft: torch.nn.Module) -> int:
     """Every draft `ParallelLMHead` holding the stub of an EXL3 target head is replaced by that head module (its EXL3
-    method and shards), where the draft's code reads it (`self.lm_head`). Returns how many were replaced."""
+    method and shards), where the draft's code reads it (`self.lm_head`). A draft head of another vocabulary or width
+    cannot take it: ValueError naming both. Returns how many were replaced."""
     replaced = 0
     for name, module in list(draft.named_modules()):
         head = getattr(getattr(module, "weight", None), "exl3_head", None)
         if head is None or head is module or not name:
             continue
+        mine = (getattr(module, "num_embeddings_per_partition", None), getattr(module, "embedding_dim", None))
+        theirs = (head.num_embeddings_per_partition, head.embedding_dim)
+        if mine != theirs:
+            raise ValueError(f"draft {name} is {mine[0]} x {mine[1]} per rank, the target's EXL3 lm_head {theirs[0]} x "
+                             f"{theirs[1]}: a draft of another vocabulary or hidden size cannot share it; use a draft "
+                             "made for this target")
         parent, _, attr = name.rpartition(".")
         setattr(draft.get_submodule(parent) if parent else draft, attr, head)
         replaced += 1
