@@ -15,6 +15,19 @@ EXLLAMAV3_CKPTS = sorted(p for p in (DATA / "exllamav3").iterdir() if p.is_dir()
 DENSE_CKPTS = [p for p in EXLLAMAV3_CKPTS if "moe" not in p.name and "mixtral" not in p.name]
 
 
+def changed(base: dict, **changes) -> dict:
+    """A deep copy of `base` with keys set to new values, or removed where the value is None."""
+    import copy
+
+    out = copy.deepcopy(base)
+    for k, v in changes.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     long_fuzz = "fuzz_long" in (config.getoption("-m") or "")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

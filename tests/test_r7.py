@@ -5,13 +5,13 @@ the tensor). The model-level equality with the dequantized twin is in test_model
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 
 import pytest
 import torch
 
+from conftest import changed, mutate
 from sglang_exl3.format import load_checkpoint, r7
 from sglang_exl3.format.errors import Exl3FormatError
 
@@ -21,13 +21,7 @@ HIDDEN = INTER = 256  # the tiny writer's hidden and moe_intermediate sizes
 
 
 def block(**changes):
-    out = copy.deepcopy(BLOCK)
-    for k, v in changes.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = v
-    return out
+    return changed(BLOCK, **changes)
 
 
 def test_block_parses_and_normalises_k_values():
@@ -203,40 +197,35 @@ def test_bitrate_outside_k_values(r7_ckpt):
         r7.expert_records(tensors, spec, PREFIX, 0, 4, HIDDEN, INTER)
 
 
-def test_r7_experts_listed_in_the_sidecar_are_refused(r7_ckpt, tmp_path):
+def _bad_copy(r7_ckpt, tmp_path, fn):
+    """A copy of the R7 fixture with fn(tensors, sidecar, config) applied."""
     import shutil
 
-    bad = tmp_path / "bad"
-    shutil.copytree(r7_ckpt, bad)
-    sidecar = json.loads((bad / "quantization_config.json").read_text())
-    sidecar["tensor_storage"][f"{PREFIX}.0.gate_proj"] = {"stored_tensors": {}}
-    (bad / "quantization_config.json").write_text(json.dumps(sidecar))
+    shutil.copytree(r7_ckpt, tmp_path / "bad")
+    return mutate(tmp_path / "bad", fn)
+
+
+def _block_set(key, value):
+    return lambda tensors, sidecar, config: config["quantization_config"][r7.BLOCK].__setitem__(key, value)
+
+
+def test_r7_experts_listed_in_the_sidecar_are_refused(r7_ckpt, tmp_path):
+    bad = _bad_copy(r7_ckpt, tmp_path, lambda tensors, sidecar, config: sidecar["tensor_storage"].__setitem__(
+        f"{PREFIX}.0.gate_proj", {"stored_tensors": {}}))
     with pytest.raises(Exl3FormatError, match="also listed in quantization_config.json"):
         load_checkpoint(bad)
 
 
 def test_bad_r7_layers_fail_the_checkpoint_load(r7_ckpt, tmp_path):
     """load_checkpoint (and so `inspect`) checks every R7 layer, not only SGLang's model build."""
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(r7_ckpt, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"][r7.BLOCK]["k_values"] = [3, 5]
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = _bad_copy(r7_ckpt, tmp_path, _block_set("k_values", [3, 5]))
     with pytest.raises(Exl3FormatError, match=r"layer 0 .*K=4 bits per weight") as e:
         load_checkpoint(bad)
     assert "layer 1 " in str(e.value)
 
 
 def test_malformed_block_fails_the_checkpoint_load(r7_ckpt, tmp_path):
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(r7_ckpt, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"][r7.BLOCK]["moe_layers"] = [0, False]
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = _bad_copy(r7_ckpt, tmp_path, _block_set("moe_layers", [0, False]))
     with pytest.raises(Exl3FormatError, match="booleans and floats are refused"):
         load_checkpoint(bad)
 
@@ -245,15 +234,9 @@ def test_malformed_block_fails_the_checkpoint_load(r7_ckpt, tmp_path):
 def test_a_bad_r7_layer_stops_the_sglang_load(r7_ckpt, tmp_path):
     """Through SGLang's ModelConfig, quantization config and Qwen3-MoE class: a k_values that does not cover the
     stored bitrates stops the load naming the tensor, before the model is built."""
-    import shutil
-
     from sglang_cpu import load_as_server, sglang_runtime
 
     sglang_runtime()
-    bad = tmp_path / "bad"
-    shutil.copytree(r7_ckpt, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"][r7.BLOCK]["k_values"] = [3, 4]
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = _bad_copy(r7_ckpt, tmp_path, _block_set("k_values", [3, 4]))
     with pytest.raises(Exl3FormatError, match=r"model.layers.0.mlp.experts.\d.\w+_proj.trellis holds K=5"):
         load_as_server(bad)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 
+from conftest import changed
 from sglang_exl3.format import rank_sliced as rs
 
 BASE = {"format": "exl3-trellis", "bits": 3, "codebook": "mcg", "experts_per_layer": 4, "moe_layers": [1, 2],
@@ -14,13 +14,7 @@ BASE = {"format": "exl3-trellis", "bits": 3, "codebook": "mcg", "experts_per_lay
 
 
 def cfg(**changes):
-    meta = copy.deepcopy(BASE)
-    for k, v in changes.items():
-        if v is None:
-            meta.pop(k, None)
-        else:
-            meta[k] = v
-    return {"quant_method": "modelopt", "hybrid_tr3_tail": meta}
+    return {"quant_method": "modelopt", "hybrid_tr3_tail": changed(BASE, **changes)}
 
 
 def test_claimed_even_under_another_quant_method():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DATA
+from conftest import DATA, mutate
 from sglang_cpu import bf16_twin, draft_hand_over, exl3_config, load_as_server, sglang_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -66,23 +66,19 @@ def test_a_token_map_is_refused_with_an_exl3_head(tmp_path):
 def _with_copied_modules(out, copies: dict[str, str]):
     """The tiny writer's Llama with extra EXL3 modules (new key -> copy of an existing module), listed in the
     sidecar: MTP / next-token layers as checkpoints carry them."""
-    import json
-
-    from safetensors.torch import load_file, save_file
+    import copy
 
     from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint
 
-    write_exl3_checkpoint(out, "llama", seed=1)
-    tensors = load_file(str(out / "model.safetensors"))
-    sidecar = json.loads((out / "quantization_config.json").read_text())
-    for new, src in copies.items():
-        tensors.update({new + n[len(src):]: t.clone() for n, t in list(tensors.items()) if n.startswith(src + ".")})
-        entry = json.loads(json.dumps(sidecar["tensor_storage"][src]))
-        entry["stored_tensors"] = {new + k[len(src):]: v for k, v in entry.get("stored_tensors", {}).items()}
-        sidecar["tensor_storage"][new] = entry
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "quantization_config.json").write_text(json.dumps(sidecar))
-    return out
+    def add(tensors, sidecar, config):
+        for new, src in copies.items():
+            tensors.update({new + n[len(src):]: t.clone() for n, t in list(tensors.items())
+                            if n.startswith(src + ".")})
+            entry = copy.deepcopy(sidecar["tensor_storage"][src])
+            entry["stored_tensors"] = {new + k[len(src):]: v for k, v in entry.get("stored_tensors", {}).items()}
+            sidecar["tensor_storage"][new] = entry
+
+    return mutate(write_exl3_checkpoint(out, "llama", seed=1), add)
 
 
 @pytest.mark.parametrize("mtp_key", ["mtp.layers.0.mlp.down_proj", "model.layers.2.mlp.down_proj"],

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from sglang_exl3.format.checkpoint import Exl3ModuleRecord
 from sglang_exl3.format.constants import MARKER_VALUES, Codebook
 from sglang_exl3.format.json_values import is_int
+from sglang_exl3.format.rank_sliced import H_SIDE, ROLE_PROJECTIONS, stored_prefix
 
 BLOCK = "r7_routed_experts"
 SCHEMA = "r7-complete-v2-checkpoint-v1"
 ALLOWED_K = (3, 4, 5)
-PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))  # SGLang shard id, checkpoint name
-# Which rotation is the expert's own (intermediate side) and which the layer shares (hidden side), per projection.
-OWN_SIDE = {"gate_proj": "svh", "up_proj": "svh", "down_proj": "suh"}
-SHARED_SIDE = {"gate_proj": "suh", "up_proj": "suh", "down_proj": "svh"}
+# Per projection: the hidden-side rotation (rank_sliced.H_SIDE) is the layer's, stored once as SHARED_FIELD; the
+# intermediate-side one (OWN_SIDE) each expert keeps.
+SHARED_SIDE = H_SIDE
+OWN_SIDE = {proj: "svh" if side == "suh" else "suh" for proj, side in H_SIDE.items()}
 SHARED_FIELD = {"gate_proj": "gate_up_suh", "up_proj": "gate_up_suh", "down_proj": "down_svh"}
 
 EXPERT_RE = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\."
@@ -110,20 +111,12 @@ def _marker_problem(info) -> str | None:
     return None
 
 
-def _stored_prefix(tensors: dict, experts_prefix: str) -> str:
-    """The checkpoint's spelling of an SGLang experts prefix (with or without a leading `model.`)."""
-    for cand in (experts_prefix, f"model.{experts_prefix}", experts_prefix.removeprefix("model.")):
-        if f"{cand}.0.gate_proj.trellis" in tensors:
-            return cand
-    return experts_prefix
-
-
 def expert_records(tensors: dict, spec: R7Spec, experts_prefix: str, layer: int, experts: int, hidden: int,
                    inter: int) -> dict[tuple[int, str], Exl3ModuleRecord]:
     """(expert, SGLang role) -> record of every routed expert projection of one R7 layer, its hidden-side rotation
     taken from `experts.r7_shared`. Every missing tensor, bitrate outside k_values, wrong shape or dtype is one
     R7Error listing the problems, at load time."""
-    stored = _stored_prefix(tensors, experts_prefix)
+    stored = stored_prefix(tensors, experts_prefix, "0.gate_proj.trellis")
     problems, records = [], {}
     shared = {}
     for field in ("gate_up_suh", "down_svh"):
@@ -135,7 +128,7 @@ def expert_records(tensors: dict, spec: R7Spec, experts_prefix: str, layer: int,
         else:
             shared[field] = info
     for e in range(experts):
-        for role, proj in PROJECTIONS:
+        for role, proj in ROLE_PROJECTIONS:
             base = f"{stored}.{e}.{proj}"
             k_in, n_out = (inter, hidden) if proj == "down_proj" else (hidden, inter)
             present = {n[len(base) + 1:] for n in tensors if n.startswith(base + ".")}

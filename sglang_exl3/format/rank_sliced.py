@@ -199,7 +199,7 @@ def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, lay
     `.rank{rank}` tensors (shared-H rotations filled in per expert). Records are keyed by the name the tensors load
     under after `normalize_weight_name`. Every missing tensor and every bitrate that disagrees with the metadata is
     an error here, at load time."""
-    stored = _stored_prefix(tensors, experts_prefix, rank)
+    stored = stored_prefix(tensors, experts_prefix, f"0.gate_proj.rank{rank}.trellis")
     records, problems = {}, []
     for e in range(spec.experts_per_layer):
         for role, proj in ROLE_PROJECTIONS:
@@ -229,9 +229,10 @@ def expert_records(tensors: dict, spec: RankSlicedSpec, experts_prefix: str, lay
     return records
 
 
-def _stored_prefix(tensors: dict, experts_prefix: str, rank: int) -> str:
-    """The checkpoint's spelling of an SGLang experts prefix (with or without a leading `model.`)."""
+def stored_prefix(tensors: dict, experts_prefix: str, probe: str) -> str:
+    """The checkpoint's spelling of an SGLang experts prefix (with or without a leading `model.`): the one under
+    which `probe` (e.g. expert 0's gate trellis) is stored."""
     for cand in (experts_prefix, f"model.{experts_prefix}", experts_prefix.removeprefix("model.")):
-        if f"{cand}.0.gate_proj.rank{rank}.trellis" in tensors:
+        if f"{cand}.{probe}" in tensors:
             return cand
     return experts_prefix

@@ -84,9 +84,11 @@ def draft_shares_target_modules(original, self, *args, **kwargs):
 
 def tied_head_refused(original, self, embed_tokens, *args, **kwargs):
     """AROUND `ParallelLMHead.tie_weights`: a head tied to an int8 / int6 table would read its [0, H] stub."""
-    if getattr(getattr(embed_tokens, "weight", None), "exl3_source", None) is not None:
-        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={knobs.get('EMBED_ONLINE_BITS')} is incompatible with "
-                              "tied word embeddings (this model's lm_head reads the embedding table); unset it")
+    source = getattr(getattr(embed_tokens, "weight", None), "exl3_source", None)
+    if source is not None:
+        from sglang_exl3.layers.embedding import tied_embeddings_error
+
+        raise tied_embeddings_error(source.quant_method.bits)
     return original(self, embed_tokens, *args, **kwargs)
 
 

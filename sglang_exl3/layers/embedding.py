@@ -22,6 +22,7 @@ from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
 from sglang.srt.utils import set_weight_attrs
 
 from sglang_exl3.codec import embedding as codec
+from sglang_exl3.knobs import KnobError
 
 logger = logging.getLogger(__name__)
 
@@ -71,3 +72,9 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         raise RuntimeError(f"EXL3 embedding {self.prefix}: an int{self.bits} embedding table cannot serve as an "
                            "lm_head (tied embeddings are refused with SGLANG_EXL3_EMBED_ONLINE_BITS)")
 
+
+def tied_embeddings_error(bits) -> KnobError:
+    """The refusal of a tied lm_head (it would read the table that the int8 / int6 codes replace), raised when the
+    config is built and when a model ties its head."""
+    return KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} is incompatible with tied word embeddings (this model's "
+                     "lm_head reads the embedding table); unset it")

@@ -23,7 +23,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 
 from sglang_exl3 import knobs
 from sglang_exl3.format import Exl3Checkpoint, Exl3ModuleRecord, load_checkpoint
-from sglang_exl3.layers.embedding import Exl3EmbeddingMethod
+from sglang_exl3.layers.embedding import Exl3EmbeddingMethod, tied_embeddings_error
 from sglang_exl3.layers.linear import Exl3LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,9 @@ class Exl3Config(QuantizationConfig):
             return
         self._checked_claims = True
         built = {_stack_layer(k) for k in self.claimed} - {None}
-        unclaimed = [k for k in self.checkpoint.modules if k not in self.claimed]
-        lost = sorted(k for k in unclaimed if _stack_layer(k) is None or _stack_layer(k) in built)
-        unbuilt = sorted({".".join(_stack_layer(k)) for k in unclaimed if _stack_layer(k) not in (None, *built)})
+        unclaimed = {k: _stack_layer(k) for k in self.checkpoint.modules if k not in self.claimed}
+        lost = sorted(k for k, stack in unclaimed.items() if stack is None or stack in built)
+        unbuilt = sorted({".".join(stack) for stack in unclaimed.values() if stack not in (None, *built)})
         if unbuilt:
             logger.info("EXL3: the checkpoint's layers %s are not built by this model (other pipeline stages, or MTP "
                         "layers without speculative decoding); their EXL3 modules are not loaded", unbuilt)
@@ -257,7 +257,6 @@ class Exl3Config(QuantizationConfig):
         records = expert_records(self.checkpoint.tensors, self.r7, prefix, layer_id, layer.num_experts,
                                  layer.hidden_size, inter)
         tight, padded = packed_bytes(records)
-        self.r7_bytes = tuple(a + b for a, b in zip(getattr(self, "r7_bytes", (0, 0)), (tight, padded), strict=True))
         logger.info("EXL3 R7 layer %d: %.1f MiB of trellis at per-projection K (%.1f MiB padded to the widest K)",
                     layer_id, tight / 2**20, padded / 2**20)
         self.claimed |= {r.key for r in records.values()}
@@ -284,7 +283,7 @@ class Exl3Config(QuantizationConfig):
 def _stack_layer(key: str) -> tuple[str, str] | None:
     """(the layer stack, the layer index) of a module key: `mtp.layers.0.mlp.down_proj` -> ("mtp.layers", "0")."""
     m = _LAYER_ID.search(f".{key}.")
-    return (key[: max(m.start(), 0)] + "layers", m.group(1)) if m else None
+    return (key[: m.start()] + "layers", m.group(1)) if m else None
 
 
 _ACTIVE: Exl3Config | None = None  # the Exl3Config most recently created in this process
@@ -316,8 +315,7 @@ def _check_embedding_knob(hf_config) -> None:
         return
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(getattr(hf_config, "text_config", None),
                                                                     "tie_word_embeddings", False):
-        raise knobs.KnobError(f"SGLANG_EXL3_EMBED_ONLINE_BITS={bits} is incompatible with tied word embeddings (this "
-                              "model's lm_head reads the embedding table); unset it")
+        raise tied_embeddings_error(bits)
 
 
 def _check_token_map(key: str) -> None:

@@ -17,7 +17,7 @@ from sglang_exl3.format import r7
 from sglang_exl3.format.constants import SIDECAR_NAME
 from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.synth.exl3_writer import ModelDims
-from sglang_exl3.synth.rank_sliced_writer import expert_donors, moe_base
+from sglang_exl3.synth.rank_sliced_writer import PROJECTIONS, expert_donors, moe_base
 
 # (gate, up, down) K per expert, cycled over the experts: gate and up at one bitrate (the fused forwards) and at two
 # (gate and up run as two groups), every K of {3, 4, 5} in every role.
@@ -44,7 +44,7 @@ def write_r7_checkpoint(out_dir: str | Path, dims: ModelDims | None = None,
             continue
         del sidecar["tensor_storage"][key]  # R7 experts live outside tensor_storage
         expert, proj = int(parts[5]), parts[6]
-        k = pattern[expert % len(pattern)][("gate_proj", "up_proj", "down_proj").index(proj)]
+        k = pattern[expert % len(pattern)][PROJECTIONS.index(proj)]
         group = {f"{key}.{fld}": donors[k][f"{key}.{fld}"] for fld in ("trellis", r7.OWN_SIDE[proj], "mcg")}
         if expert == 0:  # the layer's shared hidden-side rotation: expert 0's, at its bitrate
             experts = ".".join(parts[:5])

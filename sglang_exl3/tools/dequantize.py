@@ -19,9 +19,8 @@ import torch
 
 from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.weight import dequantize_weight
-from sglang_exl3.format import Exl3Checkpoint, load_checkpoint
+from sglang_exl3.format import Exl3Checkpoint, load_checkpoint, r7
 from sglang_exl3.format.constants import CONFIG_NAME, SIDECAR_NAME
-from sglang_exl3.format.r7 import claims as r7_claims
 from sglang_exl3.format.rank_sliced import claims
 from sglang_exl3.format.shards import ShardPacker
 from sglang_exl3.tools.logical_shapes import logical_sizes, meta_model_shapes
@@ -66,8 +65,6 @@ def _rank_sliced_experts(ckpt: Exl3Checkpoint, device: str):
 def _r7_experts(ckpt: Exl3Checkpoint, device: str):
     """(name, fp16 weight [out, in]) of every R7 routed expert, read through the loader's own `expert_records` (which
     pairs each expert with its layer's shared hidden-side rotation)."""
-    from sglang_exl3.format import r7
-
     spec = r7.parse(r7.block_of(ckpt.config))
     dims = r7.expert_dims(ckpt.config)
     if dims is None:
@@ -81,10 +78,7 @@ def _r7_experts(ckpt: Exl3Checkpoint, device: str):
             yield f"{record.key}.weight", w.T.contiguous()
 
 
-def _is_r7_tensor(ckpt: Exl3Checkpoint, name: str) -> bool:
-    from sglang_exl3.format import r7
-
-    spec = r7.parse(r7.block_of(ckpt.config))
+def _is_r7_tensor(spec: r7.R7Spec, name: str) -> bool:
     return spec.covers_name(name) and bool(r7.EXPERT_RE.match(name) or r7.SHARED_RE.match(name))
 
 
@@ -124,11 +118,12 @@ def dequantize_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     keys = list(ckpt.modules)
     meta_shapes = meta_model_shapes(ckpt.config)
-    rank_sliced, has_r7 = claims(ckpt.config), r7_claims(ckpt.config)
+    rank_sliced = claims(ckpt.config)
+    r7_spec = r7.parse(r7.block_of(ckpt.config)) if r7.claims(ckpt.config) else None
     plain = [n for n in ckpt.plain_tensor_names() if not (rank_sliced and _is_rank_sliced_tensor(n))
-             and not (has_r7 and _is_r7_tensor(ckpt, n))]
+             and not (r7_spec and _is_r7_tensor(r7_spec, n))]
     items = [("exl3", k) for k in keys] + [("plain", n) for n in plain] + \
-        ([("rank_sliced", "")] if rank_sliced else []) + ([("r7", "")] if has_r7 else [])
+        ([("rank_sliced", "")] if rank_sliced else []) + ([("r7", "")] if r7_spec else [])
     if progress:
         from tqdm import tqdm
 
