@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 _CORPUS = """
@@ -24,9 +25,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
-    """Train a byte-level BPE of exactly `vocab_size` entries; write tokenizer.json and
-    tokenizer_config.json. Returns the special token ids (bos, eos, pad)."""
+def write_tokenizer(directory: str | Path, vocab_size: int, corpus: Iterable[str] | None = None) -> dict[str, int]:
+    """Train a byte-level BPE of exactly `vocab_size` entries on `corpus` (default: a few built-in lines); write
+    tokenizer.json and tokenizer_config.json. Returns the special token ids (bos, eos, pad, user, assistant)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory = Path(directory)
@@ -40,7 +41,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([_CORPUS] * 4 if corpus is None else corpus, trainer=trainer)
     # Pad the vocabulary to exactly vocab_size so that embedding rows and ids agree. The padding goes
     # into the BPE vocabulary itself (never produced by encoding), not into added tokens, which
     # transformers loads one by one (12 s for a 128k vocabulary).
@@ -49,7 +50,8 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> dict[str, int]:
     for i in range(vocab_size - tok.get_vocab_size()):
         vocab[f"<|extra_{i}|>"] = len(vocab)
     (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
-    ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad"), SPECIAL_TOKENS[:3], strict=True)}
+    ids = {name: tok.token_to_id(t) for name, t in zip(("bos", "eos", "pad", "user", "assistant"), SPECIAL_TOKENS,
+                                                       strict=True)}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],

@@ -17,6 +17,10 @@
 # embedding                               benchmarks/embedding.py: int8 / int6 embedding tables served ($EMBED_ARGS)
 # spec                                    tests/gpu/spec_lossless.py: speculative decoding on an EXL3 target is lossless
 #                                         (NGRAM, EAGLE, STANDALONE; $SPEC_ARGS, e.g. --algorithms EAGLE)
+# spec-train  carry .spectexts            benchmarks/spec_models.py: train the target, the small draft and the EAGLE3 head
+#                                         on the carried corpus into /tmp/specmodels ($SPEC_TRAIN_ARGS)
+# spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
+# spec-bench                              benchmarks/spec_decode.py on /tmp/specmodels ($SPEC_BENCH_ARGS, e.g. --only ...)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
@@ -120,6 +124,35 @@ run_step() {
     timeout "${EMBED_TIMEOUT:-560}" python3 benchmarks/embedding.py --workdir /tmp/embed ${EMBED_ARGS:-} 2>&1 |
       tee "$work/embedding.txt" | grep -v "^ROW" | tail -20
     cp benchmarks/results/embedding-h200.* /tmp/embed/*.log "$work/" 2>/dev/null
+    ;;
+  spec-train)
+    site_env
+    rm -rf /tmp/spectexts && mkdir -p /tmp/spectexts && tar -xJf .spectexts/texts.tar.xz -C /tmp/spectexts
+    timeout "${SPEC_TRAIN_TIMEOUT:-540}" python3 benchmarks/spec_models.py /tmp/spectexts /tmp/specmodels \
+      ${SPEC_TRAIN_ARGS:-} 2>&1 | tee "$work/train.txt" | grep -v "^  step" | tail -12
+    cp /tmp/specmodels/train.json /tmp/specmodels/prompts.json /tmp/specmodels/speed-bench.jsonl "$work/" 2>/dev/null
+    ;;
+  spec-convert)  # exllamav3's own converter (calibrated), 4 bpw, 6-bit head, mul1; the dequantized bf16 twin
+    site_env
+    for m in target small; do
+      rm -rf "/tmp/specmodels/$m-exl3" "/tmp/specwork-$m"
+      timeout 300 python3 -m exllamav3.conversion.convert_model -i "/tmp/specmodels/$m" -o "/tmp/specmodels/$m-exl3" \
+        -w "/tmp/specwork-$m" -b 4.0 -hb 6 -cb mul1 -cr 64 -cc 1024 >"$work/convert-$m.txt" 2>&1
+      echo "convert $m: exit $? $(du -sh "/tmp/specmodels/$m-exl3" | cut -f1)"
+    done
+    rm -rf /tmp/specmodels/target-bf16
+    python3 -m sglang_exl3 dequantize /tmp/specmodels/target-exl3 /tmp/specmodels/target-bf16 --dtype bfloat16 \
+      --device cuda --quiet >"$work/dequantize.txt" 2>&1 && echo "twin written" || tail -5 "$work/dequantize.txt"
+    ;;
+  spec-bench)
+    site_env
+    stop_servers
+    mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
+      >/tmp/stubs/deep_gemm/__init__.py  # see the spec step
+    SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_BENCH_TIMEOUT:-560}" \
+      python3 benchmarks/spec_decode.py /tmp/specmodels ${SPEC_BENCH_ARGS:-} 2>&1 | tee "$work/bench.txt" |
+      grep -v "^ROW" | tail -40
+    cp benchmarks/results/spec-decode-h200.* /tmp/specbench/*.log /tmp/specbench/*.jsonl "$work/" 2>/dev/null
     ;;
   spec)  # tests/gpu/spec_lossless.py: NGRAM, EAGLE (random BF16 draft), STANDALONE on the exllamav3-made tiny Llama
     site_env

@@ -1,6 +1,7 @@
 """Speculative decoding on an EXL3 target is lossless: greedy output with each algorithm equals greedy output without
 speculation, token for token, served by SGLang with CUDA graphs on. Also structured output under speculation
-(a regex through /generate, a JSON schema through the OpenAI `response_format`) must stay valid.
+(benchmarks/spec_checks.py: regex and JSON schema through /generate, the frontend DSL and the OpenAI
+`response_format`) must stay valid.
 
 Per algorithm one server: NGRAM (no draft), EAGLE (a random BF16 draft, `synth/eagle_writer.py`: the target's EXL3
 lm_head and embedding are shared with it at SGLang's hand-over), STANDALONE (the target itself as an EXL3 draft, an
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -24,9 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, structured, structured_ok  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
-TOL = 0.02  # nats: the baseline's top-2 margin under which a different greedy token is a near-tie
 PROMPTS, NEW_TOKENS = 24, 48
 SPEC = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 
@@ -51,47 +51,10 @@ def greedy(base: str, top: bool) -> list[dict]:
     return post(base + "/generate", payload, timeout=600)
 
 
-def structured(base: str) -> dict:
-    """A regex through /generate; JSON through /generate's regex form of a schema (a random model never closes an
-    unconstrained object, so the pattern bounds every field); the OpenAI `response_format` JSON schema's output,
-    recorded to compare with the server without speculation."""
-    regex = post(base + "/generate", {"text": "The number is", "sampling_params": {
-        "max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}})["text"]
-    as_json = post(base + "/generate", {"text": "A person:", "sampling_params": {
-        "max_new_tokens": 40, "temperature": 0, "regex": r'\{"name": "[a-z]{1,8}", "age": [0-9]{1,2}\}'}})["text"]
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
-    chat = post(base + "/v1/chat/completions", {"model": "default", "max_tokens": 64, "temperature": 0,
-                                                "messages": [{"role": "user", "content": "Describe a person."}],
-                                                "response_format": {"type": "json_schema", "json_schema": {
-                                                    "name": "person", "schema": schema}}})
-    try:
-        parsed = json.loads(as_json)
-        json_ok = isinstance(parsed.get("name"), str) and isinstance(parsed.get("age"), int)
-    except (ValueError, AttributeError):
-        json_ok = False
-    return {"regex_text": regex, "regex_ok": re.fullmatch(r"[0-9]{3}", regex) is not None, "json_text": as_json,
-            "json_ok": json_ok, "response_format_text": chat["choices"][0]["message"]["content"]}
-
-
-def compare(base: list[dict], spec: list[dict]) -> dict:
-    identical, near_ties, failures = 0, [], []
-    for i, (a, b) in enumerate(zip(base, spec, strict=True)):
-        ta, tb = ([t[1] for t in o["meta_info"]["output_token_logprobs"]] for o in (a, b))  # both asked for logprobs
-        if ta == tb:
-            identical += 1
-            continue
-        j = next(k for k in range(min(len(ta), len(tb))) if ta[k] != tb[k])
-        top = a["meta_info"]["output_top_logprobs"][j]
-        margin = top[0][0] - top[1][0] if len(top) > 1 else float("inf")
-        (near_ties if margin < TOL else failures).append({"prompt": i, "position": j, "margin": margin})
-    return {"identical": identical, "near_ties": near_ties, "failures": failures}
-
-
 def serve(path: Path, port: int, extra: list[str], log: Path) -> tuple[object, str, float]:
     t0 = time.time()
     proc = launch(path, port, ["--quantization", "exl3", "--mem-fraction-static", "0.3",
-                               "--cuda-graph-max-bs-decode", "32", *extra], log_path=log)
+                               "--cuda-graph-max-bs-decode", "32", *SERVER_ARGS, *extra], log_path=log)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, proc)
     return proc, base, time.time() - t0
@@ -140,8 +103,7 @@ def main() -> int:
             entry["lossless"] = not entry["failures"]
             got_s, want_s = entry["structured"], report["runs"]["none"]["structured"]
             got_s["response_format_same"] = got_s["response_format_text"] == want_s["response_format_text"]
-            # recorded, not required: a tie-heavy random model may pick another whitespace token inside the object
-            passed = entry["lossless"] and got_s["regex_ok"] and got_s["json_ok"]
+            passed = entry["lossless"] and structured_ok(got_s)
         except Exception as e:  # noqa: BLE001 - recorded in the evidence, then the run fails
             entry["error"] = f"{type(e).__name__}: {e}"
             passed = False

@@ -1,0 +1,242 @@
+"""Speculative decoding on an EXL3 target against the same target dequantized to bf16, with the same drafts: accept
+length and decode tok/s at batch 1, 8 and 32 with and without speculation, lossless greedy output, structured output
+under speculation, and SGLang's own SPEED-Bench run per category.
+
+MODELS is what benchmarks/spec_models.py trained, converted on the GPU machine (tests/gpu/h200_steps.sh spec-convert):
+target-exl3/ (exllamav3's converter), target-bf16/ (its dequantized twin: `python -m sglang_exl3 dequantize`),
+small-exl3/ (the STANDALONE draft), eagle3/ (the head trained for the target), prompts.json, speed-bench.jsonl.
+
+Per variant one server (CUDA graphs and the radix cache on), in order, so that a target's `none` baseline comes
+before its speculative variants:
+- greedy: every held-out prompt in the chat template (the form the models were trained on), GREEDY_TOKENS tokens with
+  top-2 logprobs; a speculative variant must reproduce its target's baseline (spec_checks.compare);
+- batch 1: BATCH1_PROMPTS prompts per category one after another; batch 8 and 32: that many concurrent requests over
+  all categories; DECODE_TOKENS tokens each, ignore_eos, greedy. tok/s = completion tokens / wall time (the 192-token
+  prompts' prefill included); accept length = completion tokens / verify passes (meta_info.spec_verify_ct);
+- structured output (spec_checks.structured) on speculative variants;
+- SPEED-Bench: `python -m sglang.benchmark.serving --dataset-name speed-bench` per category at concurrency 1 (its
+  accept_length is the server's running average, so the per-category accept lengths above are this script's own).
+
+Rows are rewritten to benchmarks/results/spec-decode-<gpu>.{json,md,png} after every server, so the variants can be
+split across calls (--only) and earlier rows are kept.
+
+  python benchmarks/spec_decode.py MODELS [--only exl3-none,exl3-EAGLE3] [--workdir /tmp/specbench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
+from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, settle, structured, structured_ok  # noqa: E402
+from sglang_exl3.integration.server import free_port, launch, post, stop, wait_ready  # noqa: E402
+
+GREEDY_TOKENS, DECODE_TOKENS, BATCH1_PROMPTS, BATCHES = 64, 256, 2, (1, 8, 32)
+SPEED_BENCH_PROMPTS = 4  # per category
+EAGLE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]
+# (target folder, algorithm, speculative arguments; {m} = MODELS)
+VARIANTS: dict[str, tuple[str, str, list[str]]] = {
+    "exl3-none": ("target-exl3", "none", []),
+    "exl3-EAGLE3": ("target-exl3", "EAGLE3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                                              "{m}/eagle3", *EAGLE]),
+    "exl3-STANDALONE": ("target-exl3", "STANDALONE", ["--speculative-algorithm", "STANDALONE",
+                                                      "--speculative-draft-model-path", "{m}/small-exl3", *EAGLE]),
+    "exl3-NGRAM": ("target-exl3", "NGRAM", ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]),
+    "bf16-none": ("target-bf16", "none", []),
+    "bf16-EAGLE3": ("target-bf16", "EAGLE3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                                              "{m}/eagle3", *EAGLE]),
+}
+COLUMNS = ["algorithm", "target", "batch", "category", "accept_length", "tok_s", "tok_s_no_spec", "speedup",
+           "vs_bf16_same_draft", "lossless", "structured_ok"]
+
+
+def chat_ids(models: Path, prompts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+    """Each prompt as the training's chat form: bos, user, the passage, assistant (synth/tokenizer.py)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(models / "tokenizer" / "tokenizer.json"))
+    bos, user, assistant = (tok.token_to_id(t) for t in ("<|bos|>", "<|user|>", "<|assistant|>"))
+    return {c: [[bos, user, *tok.encode(p).ids, assistant] for p in rows] for c, rows in prompts.items()}
+
+
+def generate(base: str, ids: list[list[int]], tokens: int, logprobs: bool = False) -> tuple[list[dict], float]:
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    if logprobs:
+        payload.update(return_logprob=True, top_logprobs_num=2)
+    t0 = time.perf_counter()
+    out = post(base + "/generate", payload, timeout=900)
+    return out, time.perf_counter() - t0
+
+
+def decode_row(outs: list[dict], seconds: float) -> dict:
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    verify = sum(o["meta_info"].get("spec_verify_ct", 0) or 0 for o in outs)
+    return {"tok_s": tokens / seconds, "accept_length": tokens / verify if verify else None, "tokens": tokens,
+            "seconds": seconds}
+
+
+def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
+    """SGLang's load generator on the SPEED-Bench file (with load.py's stand-in for `datasets` where it is absent:
+    SGLang's MMMU reader imports it at module level)."""
+    from benchmarks.load import datasets_stub
+
+    stub = datasets_stub(work)
+    result = work / f"speed-bench-{category}.jsonl"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", base,
+           "--dataset-name", "speed-bench", "--dataset-path", str(models / "speed-bench.jsonl"),
+           "--speed-bench-category", category, "--speed-bench-output-len", str(DECODE_TOKENS),
+           "--num-prompts", str(SPEED_BENCH_PROMPTS), "--max-concurrency", "1",
+           "--tokenizer", str(models / "target"), "--output-file", str(result)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH")) if p)}
+    log = work / f"speed-bench-{category}.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300).returncode
+    if rc or not result.exists():
+        return {"speed_bench_error": f"exit {rc}, see {log.name}: "
+                + " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])}
+    row = json.loads(result.read_text().strip().splitlines()[-1])
+    return {"tok_s": row.get("output_throughput"), "median_itl_ms": row.get("median_itl_ms"),
+            "server_accept_length": row.get("accept_length"), "completed": row.get("completed")}
+
+
+def run_variant(name: str, models: Path, ids: dict[str, list[list[int]]], work: Path) -> list[dict]:
+    folder, algorithm, spec = VARIANTS[name]
+    target = folder.split("-")[1]
+    extra = [a.replace("{m}", str(models)) for a in spec]
+    quant = ["--quantization", "exl3"] if target == "exl3" else []
+    log = work / f"server-{name}.log"
+    port = free_port()
+    t0 = time.time()
+    proc = launch(models / folder, port, [*quant, "--mem-fraction-static", "0.4", "--cuda-graph-max-bs-decode", "32",
+                                          *SERVER_ARGS, *extra], log_path=log)
+    base = f"http://127.0.0.1:{port}"
+    common = {"variant": name, "algorithm": algorithm, "target": target}
+    rows = []
+    try:
+        wait_ready(base, proc)
+        print(f"{name}: ready in {time.time() - t0:.0f}s, KV tokens {kv_tokens(log)}", flush=True)
+        generate(base, ids["mixed"][:2], 16)  # warm-up
+        every = [p for rows_ in ids.values() for p in rows_]
+        greedy, _ = generate(base, every, GREEDY_TOKENS, logprobs=True)
+        baseline = work / f"greedy-{target}.json"
+        check: dict = {}
+        if algorithm == "none":
+            baseline.write_text(json.dumps(greedy))
+        elif baseline.exists():
+            check = compare(json.loads(baseline.read_text()), greedy)
+        for category, prompts in ids.items():
+            outs, seconds = [], 0.0
+            for p in prompts[:BATCH1_PROMPTS]:
+                o, s = generate(base, [p], DECODE_TOKENS)
+                outs += o
+                seconds += s
+            rows.append({**common, "batch": 1, "category": category, **decode_row(outs, seconds)})
+        for batch in BATCHES[1:]:
+            outs, seconds = generate(base, [every[i % len(every)] for i in range(batch)], DECODE_TOKENS)
+            rows.append({**common, "batch": batch, "category": "all", **decode_row(outs, seconds)})
+        one = [r for r in rows if r["batch"] == 1]
+        tokens, seconds = sum(r["tokens"] for r in one), sum(r["seconds"] for r in one)
+        verify = sum(r["tokens"] / r["accept_length"] for r in one if r["accept_length"])
+        rows.insert(0, {**common, "batch": 1, "category": "all", "tok_s": tokens / seconds, "tokens": tokens,
+                        "seconds": seconds, "accept_length": tokens / verify if verify else None})
+        extras = {}
+        if algorithm != "none":
+            extras["structured"] = structured(base)
+            extras["structured_ok"] = structured_ok(extras["structured"])
+        for category in ids:
+            rows.append({**common, "batch": 1, "category": f"speed-bench:{category}",
+                         **speed_bench(base, models, category, work)})
+        for r in rows:
+            r.update(near_ties=check.get("near_ties"), failures=check.get("failures"),
+                     identical=check.get("identical"), **extras)
+    finally:
+        stop(proc)
+    return rows
+
+
+def derive(rows: list[dict]) -> None:
+    """lossless from the recorded greedy comparison at the current TOL; tok_s_no_spec / speedup against the same
+    target's `none` row of the same batch and category, and the EXL3 target's tok/s over the bf16 target's with the
+    same algorithm."""
+    by = {(r["target"], r["algorithm"], r["batch"], r["category"]): r for r in rows}
+    for r in rows:
+        if r.get("failures") is not None:  # a speculative variant with its target's baseline
+            r.update(settle(r))
+            r["lossless"] = not r["failures"]
+        key = (r["batch"], r["category"])
+        none = by.get((r["target"], "none", *key))
+        r["tok_s_no_spec"] = none["tok_s"] if none and none.get("tok_s") else None
+        r["speedup"] = r["tok_s"] / r["tok_s_no_spec"] if r.get("tok_s") and r["tok_s_no_spec"] else None
+        bf16 = by.get(("bf16", r["algorithm"], *key))
+        r["vs_bf16_same_draft"] = (r["tok_s"] / bf16["tok_s"] if r["target"] == "exl3" and bf16
+                                   and bf16.get("tok_s") and r.get("tok_s") else None)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        pts = sorted((r["batch"], r["tok_s"]) for r in rows if r["variant"] == variant and r["category"] == "all")
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=variant, ls="-" if "exl3" in variant else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(BATCHES), [str(b) for b in BATCHES])
+    ax.set(xlabel="concurrent requests", ylabel="decode tok/s (all requests)",
+           title="Speculative decoding: EXL3 4 bpw target vs its bf16 twin, trained drafts")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models")
+    ap.add_argument("--only", default=",".join(VARIANTS), help="variants, comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--workdir", default="/tmp/specbench")
+    args = ap.parse_args()
+    work = gpu_workdir("spec_decode.py", args.workdir)
+    if work is None:
+        return 1
+    unknown = [v for v in args.only.split(",") if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    models = Path(args.models)
+    ids = chat_ids(models, json.loads((models / "prompts.json").read_text()))
+    head = header(sys.argv)
+    head.update(greedy_tokens=GREEDY_TOKENS, decode_tokens=DECODE_TOKENS, batch1_prompts=BATCH1_PROMPTS,
+                near_tie_nats=TOL, eagle_args=EAGLE, speed_bench_prompts=SPEED_BENCH_PROMPTS)
+    train = models / "train.json"
+    if train.exists():
+        head["training"] = {k: v for k, v in json.loads(train.read_text()).items() if not k.endswith("_log")}
+    previous = RESULTS / f"spec-decode-{gpu_slug(head['gpu'])}.json"
+    rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
+    failed = False
+    for name in args.only.split(","):
+        try:
+            new = run_variant(name, models, ids, work)
+        except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            failed = True
+            continue
+        rows = [r for r in rows if r["variant"] != name] + new
+        derive(rows)
+        path = write_results("spec-decode", head, rows, COLUMNS)
+        plot(rows, path.with_suffix(".png"))
+        for r in new:
+            print("ROW", json.dumps({k: r.get(k) for k in COLUMNS}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The speculative-decoding benchmark's bookkeeping: the lossless comparison and the derived columns of its rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.spec_checks import SCHEMA, TOL, _schema_ok, compare
+from benchmarks.spec_decode import chat_ids, derive
+
+
+def result(tokens: list[int], margins: list[float] | None = None) -> dict:
+    margins = margins or [1.0] * len(tokens)
+    return {"meta_info": {"output_token_logprobs": [[-0.1, t, None] for t in tokens],
+                          "output_top_logprobs": [[[-0.1, t, None], [-0.1 - m, t + 1, None]]
+                                                  for t, m in zip(tokens, margins, strict=True)]}}
+
+
+def test_compare_tells_identical_near_tie_and_failure():
+    base = [result([1, 2, 3]), result([4, 5, 6], [1.0, TOL / 2, 1.0]), result([7, 8, 9])]
+    spec = [result([1, 2, 3]), result([4, 9, 9]), result([7, 0, 9])]
+    got = compare(base, spec)
+    assert got["identical"] == 1
+    assert [(n["prompt"], n["position"]) for n in got["near_ties"]] == [(1, 1)]
+    assert [(f["prompt"], f["position"]) for f in got["failures"]] == [(2, 1)]
+
+
+def test_compare_counts_a_shorter_output_as_a_failure():
+    got = compare([result([1, 2, 3])], [result([1, 2])])
+    assert got["failures"] == [{"prompt": 0, "position": 2, "margin": float("inf")}]
+
+
+def test_compare_needs_one_output_per_prompt():
+    with pytest.raises(ValueError):
+        compare([result([1])], [])
+
+
+@pytest.mark.parametrize(("text", "ok"), [('{"name":"Ann","mood":"calm"}', True), ('{"name":"Ann"}', False),
+                                          ('{"name":"Ann","mood":"sad"}', False), ('{"name":"Ann","mood":"ca', False),
+                                          ('{"name":"Ann","mood":"calm","x":1}', False)])
+def test_schema_check(text, ok):
+    assert set(SCHEMA["required"]) == {"name", "mood"}
+    assert _schema_ok(text) is ok
+
+
+def row(target, algorithm, batch, tok_s, category="all"):
+    return {"target": target, "algorithm": algorithm, "batch": batch, "category": category, "tok_s": tok_s}
+
+
+def test_derive_pairs_each_row_with_its_baseline_and_the_bf16_target():
+    rows = [row("exl3", "none", 1, 100.0), row("exl3", "EAGLE3", 1, 250.0), row("bf16", "none", 1, 120.0),
+            row("bf16", "EAGLE3", 1, 200.0), row("exl3", "EAGLE3", 8, 900.0), row("exl3", "NGRAM", 1, None)]
+    derive(rows)
+    eagle = rows[1]
+    assert eagle["tok_s_no_spec"] == 100.0 and eagle["speedup"] == 2.5 and eagle["vs_bf16_same_draft"] == 1.25
+    assert rows[3]["speedup"] == pytest.approx(200 / 120) and rows[3]["vs_bf16_same_draft"] is None
+    assert rows[4]["tok_s_no_spec"] is None and rows[4]["speedup"] is None  # no baseline at batch 8
+    assert rows[5]["speedup"] is None  # a failed measurement derives nothing
+
+
+def test_chat_ids_use_the_training_chat_form(tmp_path):
+    from sglang_exl3.synth.tokenizer import write_tokenizer
+
+    ids = write_tokenizer(tmp_path / "tokenizer", 400)
+    got = chat_ids(tmp_path, {"mixed": ["To be, or not to be"]})["mixed"][0]
+    assert got[:2] == [ids["bos"], ids["user"]] and got[-1] == ids["assistant"] and len(got) > 4
+
+
+def test_settle_resplits_a_recorded_comparison_at_the_current_tolerance():
+    from benchmarks.spec_checks import settle
+
+    recorded = {"identical": 3, "near_ties": [{"prompt": 0, "position": 1, "margin": 0.01}],
+                "failures": [{"prompt": 1, "position": 0, "margin": TOL}, {"prompt": 2, "position": 5, "margin": 0.5}]}
+    got = settle(recorded)
+    assert [t["prompt"] for t in got["near_ties"]] == [0, 1] and [f["prompt"] for f in got["failures"]] == [2]
+    assert settle(got) == got and got["identical"] == 3
