@@ -83,12 +83,13 @@ def process(module: torch.nn.Module) -> None:
             qm.process_weights_after_loading(m)
 
 
-def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None):
+def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None, draft: bool = False):
     """What a server does: ModelConfig (the plugin's hooks claim EXL3 and rank-sliced checkpoints; a plain one stays
     unquantized), the quantization config from its parsed quantization_config, the model class SGLang's loader
     picks (`get_model_architecture`, with the plugin's hooks) built on
     `device` (parameters in `dtype`, as `--dtype` gives), SGLang's default loader (the plugin's hook normalises
-    rank-sliced names). Returns (model, quantization config or None)."""
+    rank-sliced names). `draft`: as the draft worker does (`is_draft_model`: SGLang swaps in the NextN / MTP class).
+    Returns (model, quantization config or None)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config
@@ -97,7 +98,7 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
 
     from sglang_exl3.layers.exl3_config import deactivate
 
-    config = ModelConfig(str(path))
+    config = ModelConfig(str(path), is_draft_model=draft)
     model_cls, _ = get_model_architecture(config)  # the loader's own choice (SGLang swaps some model classes)
     cfg = None
     if config.quantization == "exl3":  # the loader's own call (it reads hf_config.quantization_config)

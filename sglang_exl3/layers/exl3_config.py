@@ -23,6 +23,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 
 from sglang_exl3 import knobs
 from sglang_exl3.format import Exl3Checkpoint, Exl3ModuleRecord, load_checkpoint
+from sglang_exl3.layers import nextn
 from sglang_exl3.layers.embedding import Exl3EmbeddingMethod, tied_embeddings_error
 from sglang_exl3.layers.linear import Exl3LinearMethod
 
@@ -60,6 +61,7 @@ class Exl3Config(QuantizationConfig):
         self.rank_sliced = None  # RankSlicedSpec of a hybrid_tr3_tail checkpoint
         self.rank_sliced_rank: int | None = None  # the .rank{r} slices this process loads
         self.r7 = None  # R7Spec of a checkpoint with quantization_config.r7_routed_experts
+        self.nextn_layer: int | None = None  # the checkpoint layer a NextN draft builds as `model.decoder`
         self._checked_claims = False
 
     def __repr__(self) -> str:
@@ -112,6 +114,9 @@ class Exl3Config(QuantizationConfig):
         out = cls(ckpt)
         out.rank_sliced = rank_sliced
         out.r7 = r7_spec
+        out.nextn_layer = nextn.nextn_layer(hf_config)
+        if out.nextn_layer is not None:  # NextNError naming the missing or wrongly quantized MTP tensors
+            nextn.check_stored(ckpt.tensors, ckpt.modules, out.nextn_layer, path, hf_config.architectures[0])
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         _activate(out)
         return out
@@ -156,6 +161,7 @@ class Exl3Config(QuantizationConfig):
                   if RANK_SLICED_WEIGHT_RE.match(n) and (m := _LAYER_ID.search(n))}
         built, served = set(), set()  # built: the layer has its MLP here (pipeline parallelism builds a stand-in)
         for name, module in model.named_modules():
+            name = nextn.checkpoint_prefix(name, self.nextn_layer)
             if (m := _LAYER_ID.search(f".{name}.")) is not None:
                 if name.endswith(f"layers.{m.group(1)}.mlp"):
                     built.add(int(m.group(1)))
@@ -190,6 +196,7 @@ class Exl3Config(QuantizationConfig):
         return {sid: self.record_for(f"{head}.{src}" if head else src) for sid, src in zip(ids, sources, strict=True)}
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        prefix = nextn.checkpoint_prefix(prefix, self.nextn_layer)  # a NextN draft's `model.decoder` layer
         if isinstance(layer, ParallelLMHead):
             record = self.record_for(prefix or "lm_head")
             if record is None:
