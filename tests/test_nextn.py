@@ -1,7 +1,8 @@
-"""A DeepSeek-V3 NextN (MTP) layer stored in an EXL3 hybrid checkpoint, loaded by SGLang's own draft class
-(`DeepseekV3ForCausalLMNextN`, what `--speculative-algorithm NEXTN` builds) under `--quantization exl3`: its routed
-experts are the checkpoint's EXL3 experts of layer N, bit for bit the ones a model with one more layer loads; the
-target skips the layer; a checkpoint without it, or with the draft's plain parts quantized, is refused naming them."""
+"""A DeepSeek-V3 / GLM-4.5 NextN (MTP) layer stored in an EXL3 hybrid checkpoint, loaded by SGLang's own draft
+classes (`DeepseekV3ForCausalLMNextN`, `Glm4MoeForCausalLMNextN`: what `--speculative-algorithm NEXTN` builds) under
+`--quantization exl3`: its routed experts are the checkpoint's EXL3 experts of layer N, bit for bit the ones a model
+with one more layer loads; the target skips the layer; a checkpoint without it, or with the draft's plain parts
+quantized, is refused naming them."""
 
 from __future__ import annotations
 
@@ -11,25 +12,28 @@ import torch
 from sglang_cpu import load_as_server, sglang_runtime
 from sglang_exl3.layers.nextn import NextNError, check_stored, checkpoint_prefix, nextn_layer
 
+DRAFTS = {"deepseek_v3": ("DeepseekV3ForCausalLMNextN", "DeepseekV3ForCausalLM"),
+          "glm4_moe": ("Glm4MoeForCausalLMNextN", "Glm4MoeForCausalLM")}
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(the hybrid with three layers, the same with layer 2 turned into the NextN layer)."""
+
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def checkpoints(request, tmp_path_factory):
+    """(the hybrid with three layers, the same with layer 2 turned into the NextN layer, the architecture)."""
     from sglang_exl3.synth.hf_models import make_random_hf_model
     from sglang_exl3.synth.nextn_writer import write_nextn_from_last_layer
     from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf
 
     root = tmp_path_factory.mktemp("nextn")
-    full = write_hybrid_from_hf(make_random_hf_model("deepseek_v3", root / "plain", num_hidden_layers=3),
+    full = write_hybrid_from_hf(make_random_hf_model(request.param, root / "plain", num_hidden_layers=3),
                                 root / "full")
-    return full, write_nextn_from_last_layer(full, root / "mtp")
+    return full, write_nextn_from_last_layer(full, root / "mtp"), request.param
 
 
 def test_the_draft_loads_the_checkpoint_layer_as_exl3(checkpoints):
-    full, mtp = checkpoints
+    full, mtp, arch = checkpoints
     sglang_runtime()
     draft, cfg = load_as_server(mtp, draft=True)
-    assert type(draft).__name__ == "DeepseekV3ForCausalLMNextN" and cfg.nextn_layer == 2
+    assert type(draft).__name__ == DRAFTS[arch][0] and cfg.nextn_layer == 2
     experts = draft.model.decoder.mlp.experts
     assert type(experts.quant_method).__name__ == "Exl3MoEMethod"
     oracle, _ = load_as_server(full)  # builds layer 2 as an ordinary layer from the same tensors
@@ -52,17 +56,17 @@ def expert_tensors(experts) -> dict:
 
 
 def test_the_target_skips_the_mtp_layer(checkpoints):
-    _, mtp = checkpoints
+    _, mtp, arch = checkpoints
     sglang_runtime()
     target, cfg = load_as_server(mtp)
-    assert type(target).__name__ == "DeepseekV3ForCausalLM" and cfg.nextn_layer is None
+    assert type(target).__name__ == DRAFTS[arch][1] and cfg.nextn_layer is None
     assert len(target.model.layers) == 2
 
 
 def test_nextn_without_the_mtp_layer_names_the_missing_tensors(checkpoints, tmp_path):
     import shutil
 
-    full, _ = checkpoints
+    full, _, _ = checkpoints
     shutil.copytree(full, tmp_path / "no-mtp")  # three layers, none of them past num_hidden_layers
     sglang_runtime()
     with pytest.raises(NextNError, match=r"model\.layers\.3\.\*.*missing: model\.layers\.3\.eh_proj\.weight"):
