@@ -17,6 +17,8 @@
 # embedding                               benchmarks/embedding.py: int8 / int6 embedding tables served ($EMBED_ARGS)
 # spec                                    tests/gpu/spec_lossless.py: speculative decoding on an EXL3 target is lossless
 #                                         (NGRAM, EAGLE, STANDALONE; $SPEC_ARGS, e.g. --algorithms EAGLE)
+# spec-nextn                              tests/gpu/spec_lossless.py --algorithms NEXTN on DeepSeek-V3 / GLM-4.5 hybrids
+#                                         whose last layer is written as the NextN layer ($NEXTN_ARCHS)
 # spec-train  carry .spectexts            benchmarks/spec_models.py: train the target, the small draft and the EAGLE3 head
 #                                         on the carried corpus into /tmp/specmodels ($SPEC_TRAIN_ARGS)
 # spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
@@ -124,6 +126,23 @@ run_step() {
     timeout "${EMBED_TIMEOUT:-560}" python3 benchmarks/embedding.py --workdir /tmp/embed ${EMBED_ARGS:-} 2>&1 |
       tee "$work/embedding.txt" | grep -v "^ROW" | tail -20
     cp benchmarks/results/embedding-h200.* /tmp/embed/*.log "$work/" 2>/dev/null
+    ;;
+  spec-nextn)  # the NextN layer stored in the checkpoint, served as SGLang's NEXTN draft (same stand-ins as spec)
+    site_env
+    stop_servers
+    mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
+      >/tmp/stubs/deep_gemm/__init__.py
+    for arch in ${NEXTN_ARCHS:-deepseek_v3 glm4_moe}; do
+      rm -rf "/tmp/nextn-$arch"
+      python3 -c "from sglang_exl3.synth.hf_models import make_random_hf_model as m; \
+from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf as w; \
+from sglang_exl3.synth.nextn_writer import write_nextn_from_last_layer as n; \
+n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch/full'), '/tmp/nextn-$arch/mtp')" \
+        >"$work/write-$arch.txt" 2>&1 || cat "$work/write-$arch.txt"
+      SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-280}" \
+        python3 tests/gpu/spec_lossless.py "$work/$arch" --target "/tmp/nextn-$arch/mtp" --algorithms NEXTN 2>&1 |
+        tee "$work/spec-$arch.txt" | tail -4
+    done
     ;;
   spec-train)
     site_env

@@ -10,6 +10,7 @@ runs m = batch x draft tokens rows, whose fp16 sums may round differently); ever
 Accept length = completion tokens / verify passes. Writes OUT/spec-lossless.json; exits non-zero on a failure.
 
   python tests/gpu/spec_lossless.py OUT --target CKPT [--algorithms NGRAM,EAGLE,STANDALONE]
+  python tests/gpu/spec_lossless.py OUT --target MTP-CKPT --algorithms NEXTN    (a checkpoint with its MTP layer)
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def main() -> int:
     out, target = Path(args.out), Path(args.target)
     out.mkdir(parents=True, exist_ok=True)
     draft = Path("/tmp/spec-eagle-draft")
-    if not draft.exists():
+    if "EAGLE" in args.algorithms.split(",") and not draft.exists():
         write_eagle_draft(target, draft)
     algorithms = {"NGRAM": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
                   "EAGLE": ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft), *SPEC],
+                  # the checkpoint's own MTP layer (synth/nextn_writer.py for DeepSeek-V3 / GLM-4.5 hybrids)
+                  "NEXTN": ["--speculative-algorithm", "NEXTN", *SPEC],
                   "STANDALONE": ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
                                  str(target), *SPEC]}
     report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
