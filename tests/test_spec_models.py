@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
     texts, out = tmp_path_factory.mktemp("texts"), tmp_path_factory.mktemp("models")
     rng = random.Random(0)
     words = "thou art my lord and I shall speak of honour love death crown night".split()
-    for name in ("othello_gut.txt", *sm.HELD_OUT):
+    for name in ("lear_gut.txt", *sm.VALIDATION, *sm.HELD_OUT):
         lines = [f"{rng.choice(words).upper()}. " + " ".join(rng.choices(words, k=12)) for _ in range(400)]
         (texts / name).write_text("\n".join(lines))
     for i in range(2 * sm.CODE_HOLD_OUT):
@@ -73,6 +73,10 @@ def test_the_recipe_writes_what_the_benchmark_reads(trained):
     assert len(rows) == 3 * sm.PROMPTS_PER_CATEGORY and all(set(r) == {"category", "turns"} for r in rows)
     report = json.loads((trained / "train.json").read_text())
     assert report["target_log"][-1]["tokens"] > 0 and len(report["eagle3_held_out_agree"]) == 2
+    for name in ("target", "small"):  # the weights kept are those of the lowest validation loss seen
+        log = report[f"{name}_log"]
+        seen = [e["validation_loss"] for e in log[:-1] if "validation_loss" in e]
+        assert log[-1]["validation_loss"] == min(seen) and len(seen) >= 2
 
 
 def test_the_eagle3_head_loads_into_sglang(trained):
@@ -97,7 +101,7 @@ def test_the_eagle3_head_loads_into_sglang(trained):
 
 
 def test_a_missing_held_out_play_stops_the_recipe(tmp_path):
-    (tmp_path / "othello_gut.txt").write_text("OTHELLO. Speak.")
+    (tmp_path / "lear_gut.txt").write_text("LEAR. Speak.")
     (tmp_path / "mod.py").write_text("x = 1\n")
     with pytest.raises(SystemExit, match="held-out plays .*hamlet_gut.txt"):
         sm.split_corpus(tmp_path)
