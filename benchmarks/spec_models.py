@@ -181,9 +181,11 @@ def keep_best(model: nn.Module, validation: torch.Tensor, step: int, best: tuple
 
 
 def windows(docs: list[str], tok, count: int = 8) -> torch.Tensor:
-    """Up to `count` consecutive SEQ+1-token windows of the documents."""
+    """Up to `count` SEQ+1-token windows spread evenly over the documents (a play and modules alike)."""
     ids = torch.tensor([t for d in docs for t in tok.encode(d).ids], device=DEVICE)
-    return torch.stack([ids[i * SEQ:(i + 1) * SEQ + 1] for i in range(min(count, len(ids) // (SEQ + 1)))])
+    fit = len(ids) // (SEQ + 1)
+    starts = torch.linspace(0, fit - 1, min(count, fit)).long().tolist()
+    return torch.stack([ids[i * (SEQ + 1):(i + 1) * (SEQ + 1)] for i in starts])
 
 
 @torch.no_grad()
