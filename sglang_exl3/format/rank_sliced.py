@@ -44,8 +44,12 @@ class RankSlicedSpec:
     rotation_layout: str = "per_expert_v1"
     k_values: tuple[int, ...] = ()
     bits_per_expert: dict[int, tuple[int, ...]] = field(default_factory=dict)  # layer -> K per expert
+    coverage: tuple[int, ...] = ()  # the layers holding experts where not every layer of moe_layers does (msrt base)
+    profile: str | None = None  # runtime_profile (msrt_base.PROFILE) of a cartridge base
 
     def covers(self, layer: int) -> bool:
+        if self.coverage:
+            return layer in self.coverage
         return self.moe_layers[0] <= layer <= self.moe_layers[1]
 
     def expert_bits(self, layer: int, expert: int) -> int:
@@ -156,6 +160,9 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
 
 
 def check_runtime(spec: RankSlicedSpec, tp_size: int, num_experts: int) -> None:
+    if spec.profile is not None and tp_size != 1:
+        raise RankSlicedError(f"a {spec.profile} base stores its experts full-rank for slicing at load, which this "
+                              f"plugin does not do yet; serve it with --tp 1 (the server runs tp={tp_size})")
     if tp_size != spec.tp:
         raise RankSlicedError(f"rank-sliced EXL3 checkpoint TP does not match runtime: the checkpoint was sliced "
                               f"for tp={spec.tp}, the server runs tp={tp_size}; pass --tp {spec.tp}")

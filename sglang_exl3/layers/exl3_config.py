@@ -90,12 +90,13 @@ class Exl3Config(QuantizationConfig):
         if not path or not os.path.isdir(path):
             raise ValueError(f"EXL3 needs the checkpoint folder to read quantization_config.json, but the model "
                              f"path is {path!r}; pass a local folder to --model-path")
-        from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, RankSlicedError, parse
+        from sglang_exl3.format.rank_sliced import RANK_SLICED_WEIGHT_RE, RankSlicedError
+        from sglang_exl3.format.tail import parse_tail
 
         rank_sliced = None
         tail = config.get("hybrid_tr3_tail") or getattr(hf_config, "hybrid_tr3_tail", None)
         if tail is not None:
-            rank_sliced = parse({"hybrid_tr3_tail": tail}, path)  # RankSlicedError naming the offending key
+            rank_sliced = parse_tail({"hybrid_tr3_tail": tail}, path)  # RankSlicedError naming the offending key
         from sglang_exl3.format import r7
 
         r7_spec = r7.parse(r7.block_of(config)) if r7.claims(config) else None  # R7Error naming the key

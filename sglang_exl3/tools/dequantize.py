@@ -45,10 +45,11 @@ def _module_weight(
 def _rank_sliced_experts(ckpt: Exl3Checkpoint, device: str):
     """(name, fp16 weight [out, in]) of every rank-sliced routed expert, its tp slices joined. Each rank's slices are
     found (and their bitrates checked) by the loader's own `expert_records`."""
-    from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS, expert_records, parse
+    from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS, expert_records
+    from sglang_exl3.format.tail import parse_tail
 
-    spec = parse(ckpt.config, ckpt.path)
-    for layer in range(spec.moe_layers[0], spec.moe_layers[1] + 1):
+    spec = parse_tail(ckpt.config, ckpt.path)
+    for layer in filter(spec.covers, range(spec.moe_layers[0], spec.moe_layers[1] + 1)):
         prefix = f"model.layers.{layer}.mlp.experts"
         ranks = [expert_records(ckpt.tensors, spec, prefix, layer, r) for r in range(spec.tp)]
         for e in range(spec.experts_per_layer):
