@@ -132,6 +132,7 @@ def run_variant(name: str, models: Path, ids: dict[str, list[list[int]]], work: 
             baseline.write_text(json.dumps(greedy))
         elif baseline.exists():
             check = compare(json.loads(baseline.read_text()), greedy)
+        one_outs, one_seconds = [], 0.0  # batch 1 over every category
         for category, prompts in ids.items():
             outs, seconds = [], 0.0
             for p in prompts[:BATCH1_PROMPTS]:
@@ -139,14 +140,11 @@ def run_variant(name: str, models: Path, ids: dict[str, list[list[int]]], work: 
                 outs += o
                 seconds += s
             rows.append({**common, "batch": 1, "category": category, **decode_row(outs, seconds)})
+            one_outs, one_seconds = one_outs + outs, one_seconds + seconds
+        rows.insert(0, {**common, "batch": 1, "category": "all", **decode_row(one_outs, one_seconds)})
         for batch in BATCHES[1:]:
             outs, seconds = generate(base, [every[i % len(every)] for i in range(batch)], DECODE_TOKENS)
             rows.append({**common, "batch": batch, "category": "all", **decode_row(outs, seconds)})
-        one = [r for r in rows if r["batch"] == 1]
-        tokens, seconds = sum(r["tokens"] for r in one), sum(r["seconds"] for r in one)
-        verify = sum(r["tokens"] / r["accept_length"] for r in one if r["accept_length"])
-        rows.insert(0, {**common, "batch": 1, "category": "all", "tok_s": tokens / seconds, "tokens": tokens,
-                        "seconds": seconds, "accept_length": tokens / verify if verify else None})
         extras = {}
         if algorithm != "none":
             extras["structured"] = structured(base)

@@ -117,6 +117,12 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
     return model, cfg
 
 
+def expert_tensors(experts: torch.nn.Module) -> dict:
+    """(expert, role, field) -> tensor of every decoded EXL3 expert an MoE layer serves."""
+    return {(e, role, k): v for e, shards in enumerate(experts.exl3_experts) for role, shard in shards.items()
+            for k, v in vars(shard).items() if isinstance(v, torch.Tensor)}
+
+
 def load_model(path: Path):
     """An EXL3 checkpoint through SGLang's own model class and default loader, as in a server (load_as_server on the
     CPU)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_cpu import load_as_server, sglang_runtime
+from sglang_cpu import expert_tensors, load_as_server, sglang_runtime
 from sglang_exl3.layers.nextn import NextNError, check_stored, checkpoint_prefix, nextn_layer
 
 DRAFTS = {"deepseek_v3": ("DeepseekV3ForCausalLMNextN", "DeepseekV3ForCausalLM"),
@@ -47,12 +47,6 @@ def test_the_draft_loads_the_checkpoint_layer_as_exl3(checkpoints):
     for name in ("self_attn.o_proj.weight", "mlp.shared_experts.down_proj.weight"):
         torch.testing.assert_close(dict(draft.model.decoder.named_parameters())[name], plain_want[name], rtol=0,
                                    atol=0, msg=name)
-
-
-def expert_tensors(experts) -> dict:
-    """(expert, role, field) -> tensor of every decoded EXL3 expert an MoE layer serves."""
-    return {(e, role, k): v for e, shards in enumerate(experts.exl3_experts) for role, shard in shards.items()
-            for k, v in vars(shard).items() if isinstance(v, torch.Tensor)}
 
 
 def test_the_target_skips_the_mtp_layer(checkpoints):

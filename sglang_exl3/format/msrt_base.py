@@ -13,7 +13,7 @@ import re
 
 from sglang_exl3.format.json_values import is_int
 from sglang_exl3.format.msrt_fingerprint import MCG_MULTIPLIER, root_digest
-from sglang_exl3.format.rank_sliced import ALLOWED_BITS, TENSOR_SCHEMA, RankSlicedError, RankSlicedSpec
+from sglang_exl3.format.rank_sliced import ALLOWED_BITS, TENSOR_SCHEMA, RankSlicedError, RankSlicedSpec, is_layer_range
 
 PROFILE = "exl3-msrt-base/1"
 KEYS = {"format", "runtime_profile", "bits", "codebook", "moe_layers", "moe_layer_coverage", "tensor_schema",
@@ -49,8 +49,7 @@ def parse(meta: dict) -> RankSlicedSpec:
         if meta[key] != want:
             raise RankSlicedError(f"{where}: {key} must be {want!r}, got {meta[key]!r}")
     layers, coverage, experts = meta["moe_layers"], meta["moe_layer_coverage"], meta["experts_per_layer"]
-    if (not isinstance(layers, list) or len(layers) != 2 or not all(is_int(x) for x in layers)
-            or not 0 <= layers[0] <= layers[1]):
+    if not is_layer_range(layers):
         raise RankSlicedError(f"{where}: moe_layers must be [first, last] with 0 <= first <= last, got {layers!r}")
     if (not isinstance(coverage, list) or not coverage or not all(is_int(x) for x in coverage)
             or coverage != sorted(set(coverage)) or coverage[0] != layers[0] or coverage[-1] != layers[1]):

@@ -26,7 +26,7 @@ MCG_MULTIPLIER = 3417055213  # stored as the int32 with the same bytes: -8779120
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PARTS = ("trellis", "suh", "svh", "mcg")
 _DTYPES = {"torch.float16": "F16", "torch.float32": "F32", "torch.int16": "I16", "torch.int32": "I32"}
-_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)(?:\.rank0)?\.(\w+)$")
+EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)(?:\.rank0)?\.(\w+)$")
 
 
 class FingerprintError(ValueError):
@@ -50,9 +50,9 @@ def tensor_record(name: str, tensor: torch.Tensor) -> dict:
             "sha256": hashlib.sha256(raw).hexdigest()}
 
 
-def check_expert_tensor(name: str, tensor: torch.Tensor, k: int) -> None:
-    """The producer's rules for one routed-expert tensor of the base."""
-    m = _EXPERT_TENSOR.match(name)
+def check_expert_tensor(name: str, tensor: torch.Tensor, k: int) -> re.Match:
+    """The producer's rules for one routed-expert tensor of the base; its name's (layer, expert, projection, part)."""
+    m = EXPERT_TENSOR.match(name)
     part = m.group(4) if m else None
     if m is None or m.group(3) not in PROJECTIONS or part not in PARTS:
         raise FingerprintError(f"{name}: not a routed-expert tensor of the base "
@@ -66,6 +66,7 @@ def check_expert_tensor(name: str, tensor: torch.Tensor, k: int) -> None:
     if part == "mcg" and (dtype != "I32" or tensor.numel() != 1
                           or int(tensor) & 0xFFFFFFFF != MCG_MULTIPLIER):
         raise FingerprintError(f"{name}: mcg must be the int32 scalar of the MCG multiplier {MCG_MULTIPLIER}")
+    return m
 
 
 def layer_digest(k: int, layer: int, tensors: Mapping[str, torch.Tensor]) -> str:
@@ -73,8 +74,7 @@ def layer_digest(k: int, layer: int, tensors: Mapping[str, torch.Tensor]) -> str
     matching the trellis (in = 16 x dim 0, out = 16 x dim 1)."""
     experts: dict[int, dict[tuple[str, str], torch.Tensor]] = {}
     for name, t in tensors.items():
-        check_expert_tensor(name, t, k)
-        m = _EXPERT_TENSOR.match(name)
+        m = check_expert_tensor(name, t, k)
         if int(m.group(1)) != layer:
             raise FingerprintError(f"{name}: belongs to layer {m.group(1)}, not {layer}")
         experts.setdefault(int(m.group(2)), {})[(m.group(3), m.group(4))] = t

@@ -56,6 +56,12 @@ class RankSlicedSpec:
         return self.bits_per_expert[layer][expert] if self.bits == "mixed" else int(self.bits)
 
 
+def is_layer_range(value) -> bool:
+    """`moe_layers`: [first, last] with 0 <= first <= last."""
+    return (isinstance(value, list) and len(value) == 2 and all(is_int(x) for x in value)
+            and 0 <= value[0] <= value[1])
+
+
 def claims(config: dict) -> bool:
     meta = config.get("hybrid_tr3_tail")
     return isinstance(meta, dict) and meta.get("format") == "exl3-trellis"
@@ -121,8 +127,7 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
     if meta["codebook"] != "mcg":
         raise RankSlicedError(f"rank-sliced EXL3 currently requires the MCG codebook, got {meta['codebook']!r}")
     layers = meta["moe_layers"]
-    if (not isinstance(layers, list) or len(layers) != 2 or not all(is_int(x) for x in layers)
-            or layers[0] < 0 or layers[1] < layers[0]):
+    if not is_layer_range(layers):
         raise RankSlicedError("hybrid_tr3_tail.moe_layers must be [first, last] with 0 <= first <= last, "
                               f"got {layers!r}")
     if meta["tensor_schema"] != TENSOR_SCHEMA:

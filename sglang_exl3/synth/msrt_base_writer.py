@@ -5,17 +5,14 @@ compatibility digests computed from those tensors (what the reference's `fq_asse
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from sglang_exl3.format import msrt_base
-from sglang_exl3.format.msrt_fingerprint import MCG_MULTIPLIER, layer_digest, root_digest
+from sglang_exl3.format.msrt_fingerprint import EXPERT_TENSOR, MCG_MULTIPLIER, PARTS, layer_digest, root_digest
 from sglang_exl3.format.rank_sliced import TENSOR_SCHEMA
-
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.\w+_proj\.rank0\.(trellis|suh|svh|mcg)$")
 
 
 def write_msrt_base(src_dir: str | Path, out_dir: str | Path) -> Path:
@@ -29,7 +26,7 @@ def write_msrt_base(src_dir: str | Path, out_dir: str | Path) -> Path:
     by_layer_tensors: dict[int, dict] = {}
     for f in sorted(out.glob("*.safetensors")):
         for name, t in load_file(str(f)).items():
-            if m := _EXPERT.match(name):
+            if ".rank0." in name and (m := EXPERT_TENSOR.match(name)) and m.group(4) in PARTS:
                 by_layer_tensors.setdefault(int(m.group(1)), {})[name] = t
     k = int(tail["bits"])
     coverage = sorted(by_layer_tensors)

@@ -48,6 +48,14 @@ site_env() {  # what .devbundle/*/stage.sh exports, for calls that no longer car
   export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
 
+deep_gemm_stub() {  # for the speculative steps, which run with PYTHONPATH+=/tmp/stubs and SGLANG_ENABLE_JIT_DEEPGEMM=0
+  # SGLang 0.5.17's EAGLE graph capture imports its DeepSeek sparse-attention backend, which imports deep_gemm at
+  # module level (used only inside DeepSeek paths); the bundle has no deep_gemm, so an empty module stands in and
+  # SGLang is told not to use it
+  mkdir -p /tmp/stubs/deep_gemm &&
+    echo '"""Stand-in: only imported by SGLang paths these steps never run."""' >/tmp/stubs/deep_gemm/__init__.py
+}
+
 stop_servers() {
   pkill -f sglang.launch_server 2>/dev/null && sleep 5
   pkill -9 -f sglang.launch_server 2>/dev/null
@@ -130,8 +138,7 @@ run_step() {
   spec-nextn)  # the NextN layer stored in the checkpoint, served as SGLang's NEXTN draft (same stand-ins as spec)
     site_env
     stop_servers
-    mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
-      >/tmp/stubs/deep_gemm/__init__.py
+    deep_gemm_stub
     for arch in ${NEXTN_ARCHS:-deepseek_v3 glm4_moe}; do
       rm -rf "/tmp/nextn-$arch"
       python3 -c "from sglang_exl3.synth.hf_models import make_random_hf_model as m; \
@@ -166,8 +173,7 @@ n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch
   spec-bench)
     site_env
     stop_servers
-    mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
-      >/tmp/stubs/deep_gemm/__init__.py  # see the spec step
+    deep_gemm_stub
     SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_BENCH_TIMEOUT:-560}" \
       python3 benchmarks/spec_decode.py /tmp/specmodels ${SPEC_BENCH_ARGS:-} 2>&1 | tee "$work/bench.txt" |
       grep -v "^ROW" | tail -40
@@ -176,10 +182,7 @@ n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch
   spec)  # tests/gpu/spec_lossless.py: NGRAM, EAGLE (random BF16 draft), STANDALONE on the exllamav3-made tiny Llama
     site_env
     stop_servers
-    # SGLang 0.5.17's EAGLE graph capture imports its DeepSeek sparse-attention backend, which imports deep_gemm at
-    # module level (used only inside DeepSeek paths); the bundle has no deep_gemm, so an empty module stands in
-    mkdir -p /tmp/stubs/deep_gemm && echo '"""Stand-in: only imported by SGLang paths these steps never run."""' \
-      >/tmp/stubs/deep_gemm/__init__.py  # and SGLang told not to use it
+    deep_gemm_stub
     SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-560}" python3 tests/gpu/spec_lossless.py "$work" --target tests/data/exllamav3/tiny-llama-mul1-4bpw \
       ${SPEC_ARGS:-} 2>&1 | tee "$work/spec.txt" | tail -12
     ;;
