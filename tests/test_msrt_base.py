@@ -1,6 +1,8 @@
 """The closed `exl3-msrt-base/1` profile (seeds.md §1.3): a base written from a rank-sliced checkpoint loads through
 SGLang at tp = 1 with the same experts; unknown or missing keys, wrong fixed values and a root digest that is not
-the recomputation of the per-layer map are refused naming the key; tp > 1 is refused naming the missing slicing."""
+the recomputation of the per-layer map are refused naming the key; at tp > 1 every rank slices the full-rank experts
+at load (gate/up on the output axis, down on the input axis); experts that no longer match their layer digest stop
+the load."""
 
 from __future__ import annotations
 
@@ -75,8 +77,51 @@ def test_a_changed_layer_digest_breaks_the_root(checkpoints):
         parse(meta)
 
 
-def test_tensor_parallel_slicing_is_refused_until_it_exists(checkpoints):
+def test_each_tp_rank_slices_the_full_rank_base(checkpoints):
+    """TP2: rank r keeps gate/up output tiles and svh [r*I/2, (r+1)*I/2), down input tiles and suh the same range;
+    the hidden-side tensors whole. The full-rank load (tp 1) is the oracle."""
+    from sglang.srt.runtime_context import get_parallel
+
     spec = parse(tail(checkpoints[1]))
-    with pytest.raises(RankSlicedError, match="full-rank for slicing at load.*--tp 1"):
-        check_runtime(spec, 2, spec.experts_per_layer)
-    check_runtime(spec, 1, spec.experts_per_layer)
+    check_runtime(spec, 2, spec.experts_per_layer)  # a full-rank base serves any TP
+    sglang_runtime()
+    full, _ = load_as_server(checkpoints[1])
+    for rank in range(2):
+        with get_parallel().override(moe_tp_size=2, moe_tp_rank=rank):
+            got, _ = load_as_server(checkpoints[1])
+        for layer_full, layer_got in zip(full.model.layers, got.model.layers, strict=True):
+            if not hasattr(layer_full.mlp, "experts"):
+                continue
+            for whole, part in zip(layer_full.mlp.experts.exl3_experts, layer_got.mlp.experts.exl3_experts,
+                                   strict=True):
+                half = whole["w1"].out_features // 2
+                cut = slice(rank * half, (rank + 1) * half)
+                for role in ("w1", "w3"):
+                    assert torch.equal(part[role].trellis, whole[role].trellis[:, cut.start // 16:cut.stop // 16])
+                    assert torch.equal(part[role].svh, whole[role].svh[cut])
+                    assert torch.equal(part[role].suh, whole[role].suh)
+                assert torch.equal(part["w2"].trellis, whole["w2"].trellis[cut.start // 16:cut.stop // 16])
+                assert torch.equal(part["w2"].suh, whole["w2"].suh[cut])
+                assert torch.equal(part["w2"].svh, whole["w2"].svh)
+
+
+def test_a_changed_expert_tensor_stops_the_load(checkpoints, tmp_path):
+    """The layer digest is recomputed from the tensors SGLang's loader hands over: one flipped trellis word of one
+    expert fails the load naming the layer and the digest."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_exl3.format.msrt_fingerprint import FingerprintError
+
+    base = shutil.copytree(checkpoints[1], tmp_path / "base")
+    for f in sorted(base.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        name = next((n for n in tensors if n.endswith(".experts.1.up_proj.rank0.trellis")), None)
+        if name:
+            tensors[name][0, 0, 0] ^= 1
+            save_file(tensors, str(f))
+            break
+    sglang_runtime()
+    with pytest.raises(FingerprintError, match=r"do not match compatibility digest .* of layer \d"):
+        load_as_server(base)

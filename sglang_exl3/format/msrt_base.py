@@ -1,8 +1,9 @@
 """The closed `exl3-msrt-base/1` profile of `hybrid_tr3_tail` (shared/reference/seeds.md §1.3): the base that expert
 cartridges are built against. Its routed experts are stored full-rank (`.rank0` only) and every key is fixed, so any
-key the profile does not define is an error. At one rank the base is a rank-sliced checkpoint of tp = 1 and loads as
-one; slicing the full-rank base across TP ranks at load (128-element units, gate/up on the output axis, down on the
-input axis) is not implemented yet and is refused naming that.
+key the profile does not define is an error. It loads as a rank-sliced spec of tp = 1 whose `.rank0` tensors every
+TP rank reads and slices at load (128-element units, gate/up on the output axis, down on the input axis, as
+exllamav3's per-expert MoE is sliced); each layer's experts are verified against the per-layer digest before slicing
+(layers/moe.py), so a server proves the base it serves is the one its cartridges were encoded for.
 
 Format layer: no torch, no SGLang.
 """
@@ -65,4 +66,5 @@ def parse(meta: dict) -> RankSlicedSpec:
     if not isinstance(root, str) or root_digest(k, {int(x): v for x, v in by_layer.items()}) != root:
         raise RankSlicedError(f"{where}: compatibility_sha256 {root!r} does not match its compatibility_by_layer map")
     return RankSlicedSpec(bits=k, experts_per_layer=experts, moe_layers=(layers[0], layers[1]), tp=1,
-                          coverage=tuple(coverage), profile=PROFILE)
+                          coverage=tuple(coverage), profile=PROFILE, compatibility_sha256=root,
+                          compatibility_by_layer={int(x): v for x, v in by_layer.items()})

@@ -46,6 +46,8 @@ class RankSlicedSpec:
     bits_per_expert: dict[int, tuple[int, ...]] = field(default_factory=dict)  # layer -> K per expert
     coverage: tuple[int, ...] = ()  # the layers holding experts where not every layer of moe_layers does (msrt base)
     profile: str | None = None  # runtime_profile (msrt_base.PROFILE) of a cartridge base
+    compatibility_sha256: str | None = None  # a cartridge base's root digest and per-layer digests (msrt_fingerprint)
+    compatibility_by_layer: dict[int, str] = field(default_factory=dict)
 
     def covers(self, layer: int) -> bool:
         if self.coverage:
@@ -165,10 +167,9 @@ def parse(config: dict, model_dir: str | Path | None = None) -> RankSlicedSpec:
 
 
 def check_runtime(spec: RankSlicedSpec, tp_size: int, num_experts: int) -> None:
-    if spec.profile is not None and tp_size != 1:
-        raise RankSlicedError(f"a {spec.profile} base stores its experts full-rank for slicing at load, which this "
-                              f"plugin does not do yet; serve it with --tp 1 (the server runs tp={tp_size})")
-    if tp_size != spec.tp:
+    """A base stored full-rank (`profile`) serves any TP (each rank slices it at load); a rank-sliced checkpoint
+    only its own."""
+    if spec.profile is None and tp_size != spec.tp:
         raise RankSlicedError(f"rank-sliced EXL3 checkpoint TP does not match runtime: the checkpoint was sliced "
                               f"for tp={spec.tp}, the server runs tp={tp_size}; pass --tp {spec.tp}")
     if num_experts != spec.experts_per_layer:

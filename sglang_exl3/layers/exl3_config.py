@@ -282,6 +282,10 @@ class Exl3Config(QuantizationConfig):
                                   "ranks; expert parallelism cannot serve it. Drop --ep-size")
         rank, size = getattr(layer, "moe_tp_rank", 0), getattr(layer, "moe_tp_size", 1)
         check_runtime(spec, size, layer.num_experts)
+        if spec.profile is not None:  # a cartridge base: every rank reads the full-rank experts and slices them
+            self.rank_sliced_rank = 0
+            return Exl3MoEMethod(expert_records(self.checkpoint.tensors, spec, prefix, layer_id, 0), prefix, self,
+                                 base_digest=spec.compatibility_by_layer[layer_id])
         self.rank_sliced_rank = rank
         records = expert_records(self.checkpoint.tensors, spec, prefix, layer_id, rank)
         return Exl3MoEMethod(records, prefix, self, pre_sliced=True,

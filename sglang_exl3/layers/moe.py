@@ -51,12 +51,13 @@ GROUPS = ("w13_", "w2_")  # parameter-name prefixes of SGLang's expert mapping
 
 class Exl3MoEMethod(FusedMoEMethodBase):
     def __init__(self, records: dict[tuple[int, str], Exl3ModuleRecord], prefix: str, config=None,
-                 pre_sliced: bool = False, shared_h: bool = False):
+                 pre_sliced: bool = False, shared_h: bool = False, base_digest: str | None = None):
         self.records = records  # (global expert id, role) -> record
         self.prefix = prefix
         self.config = config
         self.pre_sliced = pre_sliced  # rank-sliced checkpoint: the records are this rank's slices already
         self.shared_h = shared_h  # hidden-side rotations stored once per layer (loaded into expert 0's slot)
+        self.base_digest = base_digest  # a cartridge base's layer digest, verified on the loaded tensors
         self.moe_runner_config = None
         self.runners = {}  # plan path -> forward, set with the plan after loading
 
@@ -94,6 +95,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.config is not None:
             self.config.check_all_claimed()
+        if self.base_digest is not None:
+            from sglang_exl3.layers.base_identity import verify_base_layer
+
+            layer.exl3_base_layer = verify_base_layer(layer.exl3_moe_loaded, self.prefix,
+                                                      self.config.rank_sliced.bits, self.base_digest)
+            layer.exl3_base_digest = self.base_digest
         self._attach_plan(layer)
         device = layer.w13_trellis.device
         backend = resolve_backend(device)
@@ -157,24 +164,36 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         rows = x.reshape(-1, x.shape[-1])  # in the model's dtype: each path casts to fp16 only where it must
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        m = rows.shape[0]
-        segments = list(layer.exl3_plan.segments(m, capturing, self.prefix, layer.exl3_role))
-        if len(segments) == 1 and segments[0][1:] == (0, m):  # one plan for all rows: no staging buffer and copy
-            out = self.runners[segments[0][0]](layer, rows, topk_weights, topk_ids)
+        cartridge = getattr(layer, "exl3_cartridge", None)  # set by runtime/cartridges.py (never on a draft's layers)
+        if cartridge is not None:  # any m, capturable: the plan's paths serve the base weights only
+            from sglang_exl3.layers.cartridge import cartridge_forward
+
+            out = cartridge_forward(layer, cartridge, rows, topk_weights, topk_ids,
+                                    self.moe_runner_config.activation == "gelu")
         else:
-            out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=x.device)
-            for path, r0, r1 in segments:
-                out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
-        if output_check.enabled(layer, rows):
-            want = output_check.moe_reference(rows, layer.exl3_experts, topk_weights, topk_ids,
-                                              self.moe_runner_config.activation == "gelu")
-            output_check.report(layer, f"EXL3 MoE {self.prefix}", "+".join(s[0] for s in segments), rows, out, want)
+            out, paths = self._planned(layer, rows, topk_weights, topk_ids, capturing)
+            if output_check.enabled(layer, rows):
+                want = output_check.moe_reference(rows, layer.exl3_experts, topk_weights, topk_ids,
+                                                  self.moe_runner_config.activation == "gelu")
+                output_check.report(layer, f"EXL3 MoE {self.prefix}", paths, rows, out, want)
         scale = self.moe_runner_config.routed_scaling_factor
         # On CUDA SGLang's MoE runner applies routed_scaling_factor, so this method does; elsewhere its models scale
         # the routed output themselves (DeepSeek-V2/V3, GLM-4.5 MoE: `if not _is_cuda: final *= routed_scaling_factor`)
         if scale is not None and x.is_cuda:
             out *= scale
         return StandardCombineInput(hidden_states=out.to(x.dtype))
+
+    def _planned(self, layer, rows, topk_weights, topk_ids, capturing: bool) -> tuple[torch.Tensor, str]:
+        """The rows through the dispatch plan's segments (decode / prefill plan / parity path); the paths taken."""
+        m = rows.shape[0]
+        segments = list(layer.exl3_plan.segments(m, capturing, self.prefix, layer.exl3_role))
+        paths = "+".join(s[0] for s in segments)
+        if len(segments) == 1 and segments[0][1:] == (0, m):  # one plan for all rows: no staging buffer and copy
+            return self.runners[segments[0][0]](layer, rows, topk_weights, topk_ids), paths
+        out = torch.zeros(m, layer.hidden_size, dtype=torch.float32, device=rows.device)
+        for path, r0, r1 in segments:
+            out[r0:r1] = self.runners[path](layer, rows[r0:r1], topk_weights[r0:r1], topk_ids[r0:r1])
+        return out, paths
 
     def _expert(self, layer, e: int, x16: torch.Tensor) -> torch.Tensor:
         """fp32 down(act(gate(x)) * up(x)) of local expert e."""

@@ -1,0 +1,105 @@
+"""One rank's expert-cartridge state for one model, in the steps of a swap (seeds.md F28), each of which either
+completes or leaves the served weights as they were:
+
+- `stage(path)`: validate the manifest, copy and hash the shards privately, index them (format/cartridge_staging.py).
+  Runs while the server keeps serving.
+- `prepare()`: check the staged cartridge against every selected live layer and fold its stages into new weights
+  (layers/cartridge.py). Nothing live changes; a failure leaves nothing prepared.
+- `commit()`: make the prepared weights the served ones (layers not selected by this cartridge serve the base).
+- `deactivate()`: every layer serves the base again (the base tensors are never touched, so its outputs are
+  bit-identical to before any cartridge).
+- `discard()`: drop the staged copy and anything prepared.
+
+Only the target model's layers take cartridges; a draft model (EAGLE / MTP) keeps its own weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_exl3.format.cartridge_manifest import CartridgeError
+from sglang_exl3.format.cartridge_staging import StagedCartridge, stage_cartridge
+from sglang_exl3.layers.cartridge import LayerCartridge, prepare_layer
+
+logger = logging.getLogger(__name__)
+
+
+def cartridge_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's EXL3 MoE layers that carry a verified cartridge base, by module name."""
+    return {name: m for name, m in model.named_modules()
+            if getattr(m, "exl3_experts", None) is not None and getattr(m, "exl3_base_digest", None) is not None
+            and getattr(m, "exl3_role", "target") == "target"}
+
+
+@dataclass
+class CartridgeRuntime:
+    model: torch.nn.Module
+    tp_rank: int = 0
+    tp_size: int = 1
+    staged: StagedCartridge | None = None
+    prepared: dict[str, LayerCartridge] | None = None
+    active: str | None = None  # the active cartridge's assembly label
+    layers: dict[str, torch.nn.Module] = field(init=False)
+
+    def __post_init__(self):
+        self.layers = cartridge_layers(self.model)
+
+    def stage(self, path: str) -> int:
+        """Stage a cartridge; the number of this rank's layers it selects."""
+        if not self.layers:
+            raise CartridgeError("this model has no EXL3 MoE layer with a verified exl3-msrt-base/1 base; cartridges "
+                                 "need a base written by `python -m sglang_exl3 write-msrt-base`")
+        self.discard()
+        staged = stage_cartridge(path, runtime_tp=self.tp_size)
+        self.staged = staged
+        return sum(1 for name in self.layers if _selects(staged, name))
+
+    def prepare(self) -> int:
+        if self.staged is None:
+            raise CartridgeError("no cartridge is staged on this rank")
+        self.prepared = None
+        prepared = {}
+        for name, layer in self.layers.items():
+            cart = prepare_layer(layer, name, self.staged.index, self.tp_rank, self.tp_size)
+            if cart is not None:
+                prepared[name] = cart
+        self.prepared = prepared
+        return len(prepared)
+
+    def commit(self) -> int:
+        if self.prepared is None:
+            raise CartridgeError("no cartridge is prepared on this rank")
+        for name, layer in self.layers.items():
+            layer.exl3_cartridge = self.prepared.get(name)
+        self.active = self.staged.manifest.assembly if self.staged is not None else "cartridge"
+        updated, self.prepared = len(self.prepared), None
+        return updated
+
+    def deactivate(self) -> int:
+        updated = 0
+        for layer in self.layers.values():
+            if getattr(layer, "exl3_cartridge", None) is not None:
+                updated += 1
+            layer.exl3_cartridge = None
+        self.active = None
+        return updated
+
+    def discard(self) -> None:
+        self.prepared = None
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            staged.discard()
+
+    def status(self) -> dict:
+        return {"active": self.active is not None, "assembly": self.active,
+                "layers": sorted(n for n, m in self.layers.items() if getattr(m, "exl3_cartridge", None) is not None),
+                "capable_layers": len(self.layers), "staged": self.staged is not None}
+
+
+def _selects(staged: StagedCartridge, name: str) -> bool:
+    from sglang_exl3.format.cartridge_index import live_layer_index
+
+    return live_layer_index(name) in staged.manifest.selected_layers
