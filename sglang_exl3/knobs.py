@@ -96,6 +96,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_PREFILL_TRELLIS"),
     Knob("PREFILL_BLOCK_M", 64, "positive_int", ("8", "16", "32", "48", "64"), "MoE prefill plan block",
          vllm_name="VLLM_EXL3_PREFILL_BLOCK_M"),
+    Knob("CARTRIDGES", "off", "choice", ("off", "recapture", "resident"), "expert cartridges on an "
+         "exl3-msrt-base/1 checkpoint and their HTTP endpoints (unauthenticated: trusted networks only): "
+         "recapture = a swap recaptures CUDA graphs; resident = every base MoE layer serves from a preallocated "
+         "dense slot (memory of the bf16 experts), so a swap copies in place and keeps the captured graphs",
+         vllm_name="VLLM_ENABLE_EXL3_CARTRIDGE"),
+    Knob("CARTRIDGE_FAULTS", False, "flag", help="testing: cartridge requests may inject a failure "
+         "(inject_fault: prepare, commit or recapture) to exercise the rollback"),
 )}
 
 

@@ -16,7 +16,7 @@ from sglang_cpu import load_as_server, sglang_runtime
 from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format.cartridge_manifest import MANIFEST_NAME, CartridgeError
 from sglang_exl3.format.constants import Codebook
-from sglang_exl3.runtime.cartridges import CartridgeRuntime
+from sglang_exl3.layers.cartridge_runtime import CartridgeRuntime
 from sglang_exl3.synth.cartridge_writer import StageSpec, write_cartridge
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -201,7 +201,7 @@ def test_tp2_ranks_serve_their_slice_for_full_and_rank_sharded(ckpts, served, tm
         with get_parallel().override(moe_tp_size=2, moe_tp_rank=rank):
             model, _ = load_as_server(ckpts["base"])
         for path in (full, sharded):
-            rt = CartridgeRuntime(model, tp_rank=rank, tp_size=2)
+            rt = CartridgeRuntime(model)
             rt.stage(str(path))
             assert rt.prepare() == 2
             for name, cart in rt.prepared.items():

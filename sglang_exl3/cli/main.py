@@ -71,6 +71,46 @@ def _write_fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_msrt_base(args: argparse.Namespace) -> int:
+    from sglang_exl3.synth.msrt_base_writer import write_msrt_base
+
+    print(f"wrote {write_msrt_base(args.source, args.out)}")
+    return 0
+
+
+def _stage_spec(text: str):
+    """LABEL:K[:SCALE[:E1,E2,...]] -> StageSpec (argparse type)."""
+    from sglang_exl3.synth.cartridge_writer import StageSpec
+
+    parts = text.split(":")
+    try:
+        if not 2 <= len(parts) <= 4:
+            raise ValueError
+        experts = tuple(int(e) for e in parts[3].split(",")) if len(parts) == 4 else None
+        return StageSpec(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 else 16.0, experts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage wants LABEL:K[:SCALE[:E1,E2,...]], got {text!r}") from None
+
+
+def _write_cartridge(args: argparse.Namespace) -> int:
+    from sglang_exl3.format.cartridge_manifest import CartridgeError
+    from sglang_exl3.format.cartridge_staging import stage_cartridge
+    from sglang_exl3.synth.cartridge_writer import write_cartridge
+
+    out = write_cartridge(args.base, args.out, args.stage, layers=args.layers, experts=args.experts,
+                          layout=args.layout, world_size=args.world_size, seed=args.seed, assembly=args.assembly)
+    try:  # what a server will check first: refuse to leave a cartridge it would refuse
+        stage_cartridge(out, runtime_tp=args.world_size if args.layout == "rank-sharded" else None).discard()
+    except CartridgeError as e:
+        import shutil
+
+        shutil.rmtree(out)
+        print(f"error: the written cartridge does not validate: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from sglang_exl3.integration.demo import run_demo
 
@@ -136,6 +176,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write routed experts as R7 (quantization_config.r7_routed_experts: per-projection K3/K4/K5, "
                         "shared hidden-side rotations) under a modelopt label, as the reference's R7 checkpoints")
     w.set_defaults(func=_write_fixture)
+    mb = sub.add_parser("write-msrt-base", help="rewrite a rank-sliced checkpoint of tp=1 as an exl3-msrt-base/1 "
+                        "cartridge base (closed profile, compatibility digests)")
+    mb.add_argument("source")
+    mb.add_argument("out")
+    mb.set_defaults(func=_write_msrt_base)
+    c = sub.add_parser("write-cartridge", help="write an fq-cartridge-adapter/3 expert cartridge of random residual "
+                       "stages for an exl3-msrt-base/1 base (tests, benchmarks)")
+    c.add_argument("base")
+    c.add_argument("out")
+    c.add_argument("--stage", action="append", type=_stage_spec, required=True,
+                   help="LABEL:K[:SCALE[:E1,E2,...]], in chain order (scale default 16, experts default all)")
+    c.add_argument("--layers", type=int, nargs="+", default=None, help="layers to cover (default: every base layer)")
+    c.add_argument("--experts", type=int, nargs="+", default=None, help="selected experts (default: all)")
+    c.add_argument("--layout", choices=["full", "rank-sharded"], default="full")
+    c.add_argument("--world-size", type=int, default=1, help="ranks of a rank-sharded layout")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--assembly", default="synthetic", help="the cartridge's label")
+    c.set_defaults(func=_write_cartridge)
     b = sub.add_parser("build-kernels", help="compile the EXL3 CUDA kernels with nvcc (once per GPU arch)")
     b.add_argument("--arch", default=None, help="e.g. 90 or sm_90 (default: this GPU's, else 90)")
     b.add_argument("--out", default=None, help="where to write the .so (default: the per-user cache, which the "

@@ -228,3 +228,9 @@ def register_hooks() -> None:
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
                           mixtral_through_fused_moe, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)
+    from sglang_exl3.integration import cartridge_server
+
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",
+                          cartridge_server.add_scheduler_handler, HookType.AFTER)
+    HookRegistry.register("sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+                          cartridge_server.add_routes, HookType.BEFORE)

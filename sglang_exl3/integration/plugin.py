@@ -30,6 +30,9 @@ def register() -> None:
     from sglang_exl3.integration.hooks import register_hooks, register_model_overrides
 
     register_hooks()  # applied by load_plugins() right after the plugins run
+    from sglang_exl3.integration.cartridge_server import register_types
+
+    register_types()  # cartridge control requests: decodable in every process, a communicator in the tokenizer's
     register_model_overrides()  # collected when the launcher builds its ServerArgs, after load_plugins()
     try:
         knobs.validate_all()

@@ -90,40 +90,65 @@ def _residual(info, projection: str, stored: tuple[int, int], cut: tuple[int, in
     return t.contiguous().to(device)
 
 
-def prepare_layer(layer: torch.nn.Module, prefix: str, index: CartridgeIndex, tp_rank: int,
-                  tp_size: int) -> LayerCartridge | None:
-    """Check the cartridge against one live layer and fold its stages into the layer's weights (a new tensor set;
-    nothing live changes). None if the manifest does not select this layer."""
-    number = check_base(layer, prefix, index)
-    if number is None:
-        return None
-    manifest = index.manifest
-    stored = index.layer(number, 0 if manifest.layout == "full" else tp_rank)
-    inter = layer.intermediate_size_per_partition
-    cut_tiles = (tp_rank * inter // TILE, inter // TILE) if manifest.layout == "full" and tp_size > 1 else None
+def _fold(layer: torch.nn.Module, residuals) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per role, [E, N, K] fp16 = fp16(W_hat_base + sum of `residuals(role, projection, expert, shard, tiles)`'s
+    (W_hat, 1 / scale) pairs), summed in fp32 and rounded once. Also keeps the layer's rotation tables (made here,
+    eagerly, never inside a graph capture)."""
+    if getattr(layer, "exl3_rotation_tables", None) is None:
+        layer.exl3_rotation_tables = rotations(layer.exl3_experts)
     weights = []
     for role, projection in ROLE_PROJECTIONS:
         per_expert = []
         for e, shards in enumerate(layer.exl3_experts):
             shard = shards[role]
             w = _decode(shard.trellis, shard.codebook, shard.kernel_layout).float()
-            tiles = (w.shape[0] // TILE, w.shape[1] // TILE)  # this rank's projection
-            if cut_tiles is not None:  # a full-layout residual holds the whole intermediate axis
-                tiles = (tiles[0], tiles[1] * tp_size) if role != "w2" else (tiles[0] * tp_size, tiles[1])
-            for stage in manifest.chain:
-                residual = stored.get((stage.label, e, projection))
-                if residual is None:
-                    continue
-                t = _residual(residual.trellis, projection, tiles, cut_tiles, shard.trellis.device, prefix)
-                if shard.kernel_layout:
-                    from sglang_exl3.kernels.cuda_trellis import prepare
-
-                    t = prepare(t)
-                inverse = torch.tensor(residual.scale, dtype=torch.float32).reciprocal().item()
-                w += _decode(t, Codebook.MCG, shard.kernel_layout).float() * inverse
+            for w_hat, inverse in residuals(role, projection, e, shard, (w.shape[0] // TILE, w.shape[1] // TILE)):
+                w += w_hat.float() * inverse
             per_expert.append(w.to(torch.float16).t())
         weights.append(torch.stack(per_expert))
-    return LayerCartridge(number, tuple(s.label for s in manifest.chain), tuple(weights))
+    return tuple(weights)
+
+
+def base_cartridge(layer: torch.nn.Module, prefix: str) -> LayerCartridge:
+    """The layer's base alone in the cartridge forward's form: what a resident slot holds while no cartridge is
+    active (SGLANG_EXL3_CARTRIDGES=resident)."""
+    return LayerCartridge(live_layer_index(prefix), (), _fold(layer, lambda *_: ()))
+
+
+def restore_base(layer: torch.nn.Module, slot: LayerCartridge) -> None:
+    """Write the base back into a resident slot, in place (captured graphs keep reading the same addresses)."""
+    for dst, src in zip(slot.weights, _fold(layer, lambda *_: ()), strict=True):
+        dst.copy_(src)
+
+
+def prepare_layer(layer: torch.nn.Module, prefix: str, index: CartridgeIndex) -> LayerCartridge | None:
+    """Check the cartridge against one live layer and fold its stages into new weights (nothing live changes).
+    None if the manifest does not select this layer. The layer's MoE TP rank and size pick its slice."""
+    number = check_base(layer, prefix, index)
+    if number is None:
+        return None
+    manifest = index.manifest
+    tp_rank, tp_size = getattr(layer, "moe_tp_rank", 0), getattr(layer, "moe_tp_size", 1)
+    stored = index.layer(number, 0 if manifest.layout == "full" else tp_rank)
+    inter = layer.intermediate_size_per_partition
+    cut_tiles = (tp_rank * inter // TILE, inter // TILE) if manifest.layout == "full" and tp_size > 1 else None
+
+    def residuals(role, projection, e, shard, tiles):
+        if cut_tiles is not None:  # a full-layout residual holds the whole intermediate axis
+            tiles = (tiles[0], tiles[1] * tp_size) if role != "w2" else (tiles[0] * tp_size, tiles[1])
+        for stage in manifest.chain:
+            residual = stored.get((stage.label, e, projection))
+            if residual is None:  # this stage does not cover the expert: it adds nothing
+                continue
+            t = _residual(residual.trellis, projection, tiles, cut_tiles, shard.trellis.device, prefix)
+            if shard.kernel_layout:
+                from sglang_exl3.kernels.cuda_trellis import prepare
+
+                t = prepare(t)
+            inverse = torch.tensor(residual.scale, dtype=torch.float32).reciprocal().item()
+            yield _decode(t, Codebook.MCG, shard.kernel_layout), inverse
+
+    return LayerCartridge(number, tuple(s.label for s in manifest.chain), _fold(layer, residuals))
 
 
 def rotations(experts: list[dict[str, Exl3Shard]]) -> tuple[torch.Tensor, ...]:
@@ -140,9 +165,7 @@ def cartridge_forward(layer: torch.nn.Module, cart: LayerCartridge, x: torch.Ten
     """fp32 [m, H]: the layer's experts with the cartridge's weights (rotated forward; Triton grouped GEMM on CUDA)."""
     from sglang_exl3.layers.moe_rotated import reference_gemm, rotated_forward, triton_gemm
 
-    tables = getattr(layer, "exl3_rotation_tables", None)
-    if tables is None:
-        tables = layer.exl3_rotation_tables = rotations(layer.exl3_experts)
     e, inter, hidden = len(layer.exl3_experts), layer.intermediate_size_per_partition, layer.hidden_size
     gemm = triton_gemm(x.shape[0], topk_ids.shape[1], e, inter, hidden) if x.is_cuda else reference_gemm
-    return rotated_forward(cart.weights, tables, x.to(torch.float16), topk_weights, topk_ids, gelu, gemm)
+    return rotated_forward(cart.weights, layer.exl3_rotation_tables, x.to(torch.float16), topk_weights, topk_ids,
+                           gelu, gemm)

@@ -24,6 +24,7 @@ import torch
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
+from sglang_exl3 import knobs
 from sglang_exl3.format import Exl3ModuleRecord
 from sglang_exl3.format.rank_sliced import ROLE_H_SIDE
 from sglang_exl3.kernels.backends import resolve_backend
@@ -125,6 +126,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer.exl3_tiers = build_tiers(experts, backend)
         if layer.exl3_tiers is not None:
             self._reserve_slab(layer, device)
+        if self.base_digest is not None and layer.exl3_role == "target" and knobs.get("CARTRIDGES") == "resident":
+            from sglang_exl3.layers.cartridge import base_cartridge
+
+            layer.exl3_cartridge = base_cartridge(layer, self.prefix)  # before SGLang sizes the KV cache
         del layer.exl3_moe_loaded
         for group in GROUPS:
             release_placeholders(layer, device, group)
@@ -164,7 +169,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
         rows = x.reshape(-1, x.shape[-1])  # in the model's dtype: each path casts to fp16 only where it must
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        cartridge = getattr(layer, "exl3_cartridge", None)  # set by runtime/cartridges.py (never on a draft's layers)
+        cartridge = getattr(layer, "exl3_cartridge", None)  # layers/cartridge_runtime.py (target layers only)
         if cartridge is not None:  # any m, capturable: the plan's paths serve the base weights only
             from sglang_exl3.layers.cartridge import cartridge_forward
 

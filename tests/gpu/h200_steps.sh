@@ -27,6 +27,8 @@
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
 #                                         concurrency 64 with aborted streams and over-context prompts ($LOAD_ARGS)
+# cartridges                              benchmarks/cartridges.py: cartridges loaded / deactivated under SGLang's load
+#                                         generator with injected faults, per SGLANG_EXL3_CARTRIDGES mode ($CART_ARGS)
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
@@ -220,6 +222,15 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     timeout "${LOAD_TIMEOUT:-540}" python3 benchmarks/load.py --workdir /tmp/load ${LOAD_ARGS:-} 2>&1 |
       tee "$work/load.txt" | grep -v "^ROW" | tail -20
     cp benchmarks/results/load-h200.* /tmp/load/*.log "$work/" 2>/dev/null
+    ;;
+  cartridges)  # benchmarks/cartridges.py: expert cartridges swapped under load with faults ($CART_ARGS, e.g. --modes)
+    site_env
+    stop_servers
+    [ "${CART_PYTEST:-1}" = 1 ] && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cartridge_cuda.py \
+      2>&1 | tee "$work/pytest-cartridge.txt" | tail -8
+    timeout "${CART_TIMEOUT:-440}" python3 benchmarks/cartridges.py --workdir /tmp/cartridges ${CART_ARGS:-} 2>&1 |
+      tee "$work/cartridges.txt" | grep -v "^ROW" | tail -25
+    cp benchmarks/results/cartridges-h200.* /tmp/cartridges/*.log "$work/" 2>/dev/null
     ;;
   e2e-moe)
     site_env

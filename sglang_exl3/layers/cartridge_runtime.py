@@ -6,8 +6,13 @@ completes or leaves the served weights as they were:
 - `prepare()`: check the staged cartridge against every selected live layer and fold its stages into new weights
   (layers/cartridge.py). Nothing live changes; a failure leaves nothing prepared.
 - `commit()`: make the prepared weights the served ones (layers not selected by this cartridge serve the base).
-- `deactivate()`: every layer serves the base again (the base tensors are never touched, so its outputs are
-  bit-identical to before any cartridge).
+- `deactivate()`: every layer serves the base again, bit-identical to before any cartridge.
+
+Two modes (SGLANG_EXL3_CARTRIDGES). `recapture`: the base layers run their EXL3 kernels and a cartridge layer the
+rotated forward on its folded weights, so a swap changes what the graphs must launch and is followed by a
+recapture; the base tensors are never touched. `resident`: every base layer holds a dense slot at load and always
+serves through it (the base's W_hat while no cartridge is active); a swap copies into the slot in place, so captured
+graphs stay valid, and deactivation decodes the base back into it (decoding is exact, so the outputs are too).
 - `discard()`: drop the staged copy and anything prepared.
 
 Only the target model's layers take cartridges; a draft model (EAGLE / MTP) keeps its own weights.
@@ -22,7 +27,7 @@ import torch
 
 from sglang_exl3.format.cartridge_manifest import CartridgeError
 from sglang_exl3.format.cartridge_staging import StagedCartridge, stage_cartridge
-from sglang_exl3.layers.cartridge import LayerCartridge, prepare_layer
+from sglang_exl3.layers.cartridge import LayerCartridge, prepare_layer, restore_base
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +42,7 @@ def cartridge_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 @dataclass
 class CartridgeRuntime:
     model: torch.nn.Module
-    tp_rank: int = 0
-    tp_size: int = 1
+    mode: str = "recapture"  # or "resident"
     staged: StagedCartridge | None = None
     prepared: dict[str, LayerCartridge] | None = None
     active: str | None = None  # the active cartridge's assembly label
@@ -46,6 +50,11 @@ class CartridgeRuntime:
 
     def __post_init__(self):
         self.layers = cartridge_layers(self.model)
+        if self.mode == "resident":
+            missing = [n for n, m in self.layers.items() if getattr(m, "exl3_cartridge", None) is None]
+            if missing:
+                raise CartridgeError(f"resident cartridge slots were not allocated at load for {missing[:3]}; start "
+                                     "the server with SGLANG_EXL3_CARTRIDGES=resident")
 
     def stage(self, path: str) -> int:
         """Stage a cartridge; the number of this rank's layers it selects."""
@@ -53,7 +62,8 @@ class CartridgeRuntime:
             raise CartridgeError("this model has no EXL3 MoE layer with a verified exl3-msrt-base/1 base; cartridges "
                                  "need a base written by `python -m sglang_exl3 write-msrt-base`")
         self.discard()
-        staged = stage_cartridge(path, runtime_tp=self.tp_size)
+        tp = {getattr(layer, "moe_tp_size", 1) for layer in self.layers.values()}
+        staged = stage_cartridge(path, runtime_tp=max(tp))
         self.staged = staged
         return sum(1 for name in self.layers if _selects(staged, name))
 
@@ -63,27 +73,45 @@ class CartridgeRuntime:
         self.prepared = None
         prepared = {}
         for name, layer in self.layers.items():
-            cart = prepare_layer(layer, name, self.staged.index, self.tp_rank, self.tp_size)
+            cart = prepare_layer(layer, name, self.staged.index)
             if cart is not None:
                 prepared[name] = cart
         self.prepared = prepared
         return len(prepared)
 
-    def commit(self) -> int:
+    def commit(self, after_layer=None) -> int:
+        """Serve the prepared cartridge. `after_layer(name)` runs after each layer switches (a fault injection
+        point: a failure there leaves some layers switched, which `deactivate` undoes)."""
         if self.prepared is None:
             raise CartridgeError("no cartridge is prepared on this rank")
-        for name, layer in self.layers.items():
-            layer.exl3_cartridge = self.prepared.get(name)
         self.active = self.staged.manifest.assembly if self.staged is not None else "cartridge"
-        updated, self.prepared = len(self.prepared), None
+        for name, layer in self.layers.items():
+            new = self.prepared.get(name)
+            if self.mode == "resident":
+                slot = layer.exl3_cartridge
+                if new is not None:
+                    for dst, src in zip(slot.weights, new.weights, strict=True):
+                        dst.copy_(src)
+                elif slot.labels:
+                    restore_base(layer, slot)
+                slot.labels = new.labels if new is not None else ()
+            else:
+                layer.exl3_cartridge = new
+            if after_layer is not None:
+                after_layer(name)
+        updated, self.prepared = sum(1 for m in self.layers.values() if _active(m)), None
         return updated
 
     def deactivate(self) -> int:
         updated = 0
         for layer in self.layers.values():
-            if getattr(layer, "exl3_cartridge", None) is not None:
+            if _active(layer):
                 updated += 1
-            layer.exl3_cartridge = None
+                if self.mode == "resident":
+                    restore_base(layer, layer.exl3_cartridge)
+                    layer.exl3_cartridge.labels = ()
+            if self.mode != "resident":
+                layer.exl3_cartridge = None
         self.active = None
         return updated
 
@@ -95,8 +123,13 @@ class CartridgeRuntime:
 
     def status(self) -> dict:
         return {"active": self.active is not None, "assembly": self.active,
-                "layers": sorted(n for n, m in self.layers.items() if getattr(m, "exl3_cartridge", None) is not None),
+                "layers": sorted(n for n, m in self.layers.items() if _active(m)), "mode": self.mode,
                 "capable_layers": len(self.layers), "staged": self.staged is not None}
+
+
+def _active(layer: torch.nn.Module) -> bool:
+    cart = getattr(layer, "exl3_cartridge", None)
+    return cart is not None and bool(cart.labels)
 
 
 def _selects(staged: StagedCartridge, name: str) -> bool:
