@@ -214,22 +214,22 @@ def test_the_scheduler_hook_adds_the_handler_to_sglangs_dispatcher():
     (b'{"adapter_path": "/c"}', 501, "no EXL3 cartridge control channel"),
 ])
 def test_load_endpoint_bodies_and_codes(monkeypatch, body, status, match):
-    """The endpoint's own parsing and codes; 501 from a tokenizer manager without the plugin's communicator."""
-    import asyncio
-    import json
+    """The endpoints as FastAPI serves them (a fresh app, the routes the plugin adds to SGLang's): the body's parsing
+    and the codes; 501 from a tokenizer manager without the plugin's communicator."""
     from types import SimpleNamespace
 
     import sglang.srt.entrypoints.http_server as http_server
-    from starlette.requests import Request
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
 
     from sglang_exl3.integration import cartridge_server as cs
 
     monkeypatch.setattr(http_server, "_global_state", SimpleNamespace(tokenizer_manager=SimpleNamespace()))
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    request = Request({"type": "http", "method": "POST", "path": "/load_exl3_cartridge", "headers": []}, receive)
-    response = asyncio.run(cs._respond(cs._load)(request))
+    app = FastAPI()
+    assert cs.add_routes_to(app) and not cs.add_routes_to(app)
+    client = TestClient(app)
+    response = client.post("/load_exl3_cartridge", content=body)
     assert response.status_code == status
-    assert match in json.loads(response.body)["error"]
+    assert match in response.json()["error"]
+    assert client.get("/exl3_cartridge_status").status_code == 501
+    assert client.post("/deactivate_exl3_cartridge", content=b"{").status_code == 400

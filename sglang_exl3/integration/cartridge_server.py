@@ -25,6 +25,8 @@ import json
 import logging
 import time
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from sglang.srt.managers.io_struct import BaseReq
 
 from sglang_exl3 import knobs
@@ -158,12 +160,21 @@ async def _call(tm, action: str, **fields) -> list[Exl3CartridgeReqOutput]:
     return results
 
 
+DRAIN_IDLE_TIMEOUT_S = 60.0
+
+
 @contextlib.asynccontextmanager
 async def _drained(tm):
-    """In-flight requests finish and new ones wait (the model-update writer lock), unless generation is paused."""
+    """In-flight requests finish and new ones wait (the model-update writer lock), unless generation is paused; then
+    SGLang's own flush, which waits until the scheduler is idle (its last batch retired), so that the swap's flush of
+    the prefix cache on every rank finds nothing running."""
     async with tm.is_pause_cond:
         paused = tm.is_pause
     async with (contextlib.nullcontext() if paused else tm.model_update_lock.writer_lock):
+        idle = await tm.flush_cache(timeout_s=DRAIN_IDLE_TIMEOUT_S)
+        if not idle.success:
+            raise CartridgeRequestError(f"the server did not become idle within {DRAIN_IDLE_TIMEOUT_S:.0f} s of the "
+                                        f"drain ({idle.message}); nothing was swapped")
         yield
 
 
@@ -224,8 +235,7 @@ async def _body(request) -> dict:
 
 
 def _respond(fn):
-    async def endpoint(request):
-        from fastapi.responses import JSONResponse
+    async def endpoint(request: Request) -> JSONResponse:
         from sglang.srt.entrypoints.http_server import get_global_state
 
         try:
@@ -262,11 +272,18 @@ def add_routes(*args, **kwargs):
         return None
     from sglang.srt.entrypoints.http_server import app
 
-    if not any(getattr(r, "path", None) == "/load_exl3_cartridge" for r in app.routes):
-        app.add_api_route("/load_exl3_cartridge", _respond(_load), methods=["POST"])
-        app.add_api_route("/deactivate_exl3_cartridge", _respond(_deactivate), methods=["POST"])
-        app.add_api_route("/exl3_cartridge_status", _respond(_status), methods=["GET"])
+    if add_routes_to(app):
         logger.warning("EXL3 cartridge endpoints are on (SGLANG_EXL3_CARTRIDGES=%s): they are unauthenticated, read "
                        "server-local paths and change every output; expose this server only to trusted clients",
                        knobs.get("CARTRIDGES"))
     return None
+
+
+def add_routes_to(app) -> bool:
+    """The three endpoints on a FastAPI app (once); True if they were added."""
+    if any(getattr(r, "path", None) == "/load_exl3_cartridge" for r in app.routes):
+        return False
+    app.add_api_route("/load_exl3_cartridge", _respond(_load), methods=["POST"])
+    app.add_api_route("/deactivate_exl3_cartridge", _respond(_deactivate), methods=["POST"])
+    app.add_api_route("/exl3_cartridge_status", _respond(_status), methods=["GET"])
+    return True
