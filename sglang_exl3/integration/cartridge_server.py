@@ -8,8 +8,8 @@ The path mirrors `/update_weights_from_disk` (shared/reference/sglang.md §7): t
    all);
 2. `activate` under the model-update writer lock -- in-flight requests finish, new ones wait -- which commits,
    flushes the prefix cache and recaptures the graphs (recapture mode), or rolls every rank back to the base.
-`deactivate` runs drained too. The lock is released whatever happens; cancellation is re-raised, after the staged
-copy is discarded if the activation was never sent.
+`deactivate` runs drained too. The lock is released whatever happens; a cancellation or a failed drain is re-raised
+after the staged copy is discarded, if the activation was never sent.
 
 Endpoints (registered only when the knob is on; unauthenticated, they read server-local paths and change outputs:
 expose them only to trusted clients): POST /load_exl3_cartridge {"adapter_path"} and /deactivate_exl3_cartridge ->
@@ -188,8 +188,8 @@ async def load_cartridge(tm, adapter_path: str, inject_fault: str = "") -> dict:
             activated = True
             results = await _call(tm, "activate", inject_fault=inject_fault)
             t2 = time.perf_counter()
-    except asyncio.CancelledError:
-        if not activated:  # the ranks still hold the staged copy
+    except BaseException:  # cancelled, or the drain failed: the ranks still hold the staged copy unless activated
+        if not activated:
             _background(_call(tm, "discard"))
         raise
     return {"status": "loaded", "updated_layers": [r.updated_layers for r in results],
