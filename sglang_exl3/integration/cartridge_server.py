@@ -98,10 +98,12 @@ def _steps(scheduler):
         if getattr(runner, "prefill_cuda_graph_runner", None) is not None:
             runner.init_prefill_cuda_graph()
 
+    ranks = torch.distributed.get_world_size(group=scheduler.tp_cpu_group)
+
     def agree(ok: bool) -> bool:
-        if scheduler.tp_size == 1:
+        if ranks == 1:
             return ok
-        votes = [None] * scheduler.tp_size
+        votes = [None] * ranks
         torch.distributed.all_gather_object(votes, ok, group=scheduler.tp_cpu_group)
         return all(votes)
 
@@ -140,9 +142,14 @@ def handle_request(scheduler, req: Exl3CartridgeReqInput) -> Exl3CartridgeReqOut
         if req.action == "status":
             return Exl3CartridgeReqOutput(success=True, status_json=json.dumps(steps.runtime.status()))
         raise CartridgeError(f"unknown cartridge action {req.action!r}; one of {ACTIONS}")
+    except swap.CartridgeRestoreError:
+        raise
     except (CartridgeError, swap.CartridgeSwapError, TimeoutError, OSError) as e:
         logger.warning("EXL3 cartridge %s failed: %s", req.action, e)
         return Exl3CartridgeReqOutput(success=False, message=str(e))
+    except Exception as e:  # a bug must not take the server down with it: the swap steps restore what they change
+        logger.exception("EXL3 cartridge %s failed unexpectedly", req.action)
+        return Exl3CartridgeReqOutput(success=False, message=f"{type(e).__name__}: {e}")
 
 
 # -- tokenizer side ------------------------------------------------------------------------------------------------
