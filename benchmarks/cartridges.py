@@ -6,8 +6,9 @@ every layer; B: one stage on some layers) and a tampered copy of A:
   1. the base's greedy probe (tokens and logprobs) and the teacher-forced logprobs of its continuation; the same
      with A active (the quality effect: mean and max |delta logprob|, greedy agreement); deactivated again, the
      probe must be bit-identical to the base's;
-  2. `python -m sglang.benchmark.serving` (random-ids, --concurrency) while cartridges are loaded and deactivated
-     --swaps times (A and B alternating), with a fault before every fourth swap: the tampered shard, then failures
+  2. `python -m sglang.benchmark.serving` (random-ids, --concurrency); once it sends its real requests, cartridges are
+     loaded and deactivated --swaps times (A and B alternating; a swap counts as under load when requests were in
+     flight as it was asked for), with a fault before every fourth swap: the tampered shard, then failures
      injected (SGLANG_EXL3_CARTRIDGE_FAULTS=1) while preparing, while committing and at the recapture; each must be
      answered 400 with the base served (status inactive) and the load continuing;
   3. the load's failed requests, the server alive, the probe bit-identical to the base's.
@@ -97,6 +98,10 @@ def scored(base: str, ids: list[int]) -> list[float]:
     return [t[0] for t in out["meta_info"]["input_token_logprobs"][1:]]
 
 
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -109,7 +114,7 @@ def run_mode(mode: str, models: dict[str, Path], args, work: Path, port: int) ->
     env = {"SGLANG_EXL3_BACKEND": "cuda", "SGLANG_EXL3_CARTRIDGES": mode, "SGLANG_EXL3_CARTRIDGE_FAULTS": "1"}
     proc = launch(models["base"], port, ["--quantization", "exl3", "--context-length", "1024",
                                          "--mem-fraction-static", "0.5", "--cuda-graph-max-bs-decode",
-                                         str(args.concurrency)], env=env, log_path=log)
+                                         str(args.concurrency), *args.server_args.split()], env=env, log_path=log)
     url = f"http://127.0.0.1:{port}"
     row: dict = {"mode": mode}
     try:
@@ -139,7 +144,10 @@ def run_mode(mode: str, models: dict[str, Path], args, work: Path, port: int) ->
         bench_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH")) if p)}
         bench = subprocess.Popen(bench_cmd, stdout=open(work / f"bench-{mode}.log", "w"), stderr=subprocess.STDOUT,
                                  env=bench_env)
-        time.sleep(3)
+        started = time.time()
+        while "Starting main benchmark run" not in _read(work / f"bench-{mode}.log") and time.time() - started < 120:
+            time.sleep(0.5)  # swaps start once the load generator sends its real requests
+        time.sleep(2)
         pauses, scheduler_ms, events, under_load, rollbacks, faults = [], [], [], 0, 0, 0
         deadline = time.time() + args.swap_budget_s
         swaps = 0
@@ -160,15 +168,15 @@ def run_mode(mode: str, models: dict[str, Path], args, work: Path, port: int) ->
                                "active_after": state["active"], "rolled_back": ok})
             for action, body in (("load", {"adapter_path": str(models["A" if i % 2 == 0 else "B"])}),
                                  ("deactivate", {})):
-                loading = bench.poll() is None
                 status, answer = call(url + f"/{'load' if action == 'load' else 'deactivate'}_exl3_cartridge", body)
                 if status != 200:
                     raise RuntimeError(f"swap {i} {action} failed: {status} {answer}")
                 pauses.append(answer["pause_ms"])
                 scheduler_ms += answer["swap_ms"]
+                loading = answer["in_flight"] > 0  # requests in flight when the swap was asked for
                 events.append({"swap": i, "action": action, "pause_ms": round(answer["pause_ms"], 1),
                                "drain_ms": round(answer["drain_ms"], 1), "updated_layers": answer["updated_layers"],
-                               "under_load": loading})
+                               "in_flight": answer["in_flight"]})
                 under_load += loading and action == "load"
                 time.sleep(args.gap_s)
             swaps += 1
@@ -204,6 +212,8 @@ def main() -> int:
     ap.add_argument("--swap-budget-s", type=float, default=240, help="no new swap starts after this many seconds")
     ap.add_argument("--timeout", type=float, default=300, help="seconds the load generator may still run")
     ap.add_argument("--dims", default="1024,8,16,4,512", help="hidden, layers, experts, top-k, expert intermediate")
+    ap.add_argument("--server-args", default="--cuda-graph-max-bs-prefill 512",
+                    help="more server flags (the default bounds the prefill graphs a recapture captures again)")
     ap.add_argument("--workdir", default="/tmp/cartridges")
     args = ap.parse_args()
     work = gpu_workdir("benchmarks/cartridges.py", args.workdir)

@@ -187,7 +187,7 @@ async def _drained(tm):
 
 async def load_cartridge(tm, adapter_path: str, inject_fault: str = "") -> dict:
     staged = await _call(tm, "stage", adapter_path=adapter_path, inject_fault=inject_fault)
-    activated = False
+    activated, in_flight = False, len(getattr(tm, "rid_to_state", ()))  # requests the drain waits for
     try:
         t0 = time.perf_counter()
         async with _drained(tm):
@@ -201,17 +201,18 @@ async def load_cartridge(tm, adapter_path: str, inject_fault: str = "") -> dict:
         raise
     return {"status": "loaded", "updated_layers": [r.updated_layers for r in results],
             "staged_layers": [r.updated_layers for r in staged], "swap_ms": [r.swap_ms for r in results],
-            "drain_ms": (t1 - t0) * 1e3, "pause_ms": (t2 - t1) * 1e3}
+            "drain_ms": (t1 - t0) * 1e3, "pause_ms": (t2 - t1) * 1e3, "in_flight": in_flight}
 
 
 async def deactivate_cartridge(tm) -> dict:
-    t0 = time.perf_counter()
+    in_flight, t0 = len(getattr(tm, "rid_to_state", ())), time.perf_counter()
     async with _drained(tm):
         t1 = time.perf_counter()
         results = await _call(tm, "deactivate")
         t2 = time.perf_counter()
     return {"status": "deactivated", "updated_layers": [r.updated_layers for r in results],
-            "swap_ms": [r.swap_ms for r in results], "drain_ms": (t1 - t0) * 1e3, "pause_ms": (t2 - t1) * 1e3}
+            "swap_ms": [r.swap_ms for r in results], "drain_ms": (t1 - t0) * 1e3, "pause_ms": (t2 - t1) * 1e3,
+            "in_flight": in_flight}
 
 
 async def cartridge_status(tm) -> dict:
