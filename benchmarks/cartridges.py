@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, kv_tokens, write_results  # noqa: E402
+from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
 from benchmarks.load import _flush, _healthy, datasets_stub  # noqa: E402
 from sglang_exl3.integration.server import launch, stop, wait_ready  # noqa: E402
 
@@ -202,6 +202,42 @@ def run_mode(mode: str, models: dict[str, Path], args, work: Path, port: int) ->
         stop(proc)
 
 
+def summarize(rows: list[dict]) -> dict:
+    """The evidence's totals over every mode's server; swap latency = pause-to-resume (the model-update lock held)."""
+    by = {r["mode"]: r for r in rows}
+    return {"swaps": sum(r.get("swaps", 0) for r in rows),
+            "swaps_under_load": sum(r.get("swaps_under_load", 0) for r in rows),
+            "requests": sum(r.get("requests", 0) for r in rows),
+            "failed_requests": sum(r.get("failed_requests", 0) for r in rows),
+            "faults_injected": sum(r.get("faults_injected", 0) for r in rows),
+            "rollbacks": sum(r.get("rollbacks", 0) for r in rows),
+            "swap_ms_p50": by.get("recapture", {}).get("pause_ms_p50"),
+            "swap_ms_p99": by.get("recapture", {}).get("pause_ms_p99"),
+            "swap_ms_p50_no_recapture": by.get("resident", {}).get("pause_ms_p50"),
+            "swap_ms_p99_no_recapture": by.get("resident", {}).get("pause_ms_p99")}
+
+
+def publish(head: dict, rows: list[dict]) -> Path:
+    """JSON (the summary at the top level too), the Markdown table and a plot of every swap's pause."""
+    summary = summarize(rows)
+    path = write_results("cartridges", {**head, **summary}, rows, COLUMNS)
+    data = json.loads(path.read_text())
+    data.update(summary)
+    path.write_text(json.dumps(data, indent=1))
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for r in rows:
+            pauses = [e["pause_ms"] for e in r.get("events", []) if "pause_ms" in e]
+            ax.plot(range(1, len(pauses) + 1), pauses, marker="o", ms=3, label=f"{r['mode']}")
+        ax.set(yscale="log", xlabel="swap request (load / deactivate, in order)", ylabel="pause to resume (ms)",
+               title=f"Cartridge swaps under load, {head['gpu']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=120)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="recapture,resident")
@@ -221,29 +257,19 @@ def main() -> int:
         return 2
     models = write_models(work, args.dims)
     head = header(sys.argv)
-    head.update(dims=args.dims, concurrency=args.concurrency, note="pause = the model-update lock held: drain done, "
-                "scheduler swap, resume; scheduler = the swap on the scheduler alone (commit, flush, recapture)")
+    head.update(dims=args.dims, concurrency=args.concurrency,
+                note="drain = waiting under the model-update lock for the requests in flight and an idle scheduler; "
+                     "pause = from there to the resume (the swap: commit, flush, recapture); scheduler = the swap "
+                     "timed on the scheduler")
     previous = RESULTS / f"cartridges-{gpu_slug(head['gpu'])}.json"
     rows = [r for r in (json.loads(previous.read_text())["rows"] if previous.exists() else [])
             if r["mode"] not in args.modes.split(",")]
     for i, mode in enumerate(args.modes.split(",")):
         row = run_mode(mode, models, args, work, 34000 + i)
+        row["command"] = head["command"]
         print("ROW " + json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
         rows.append(row)
-        by = {r["mode"]: r for r in rows}
-        summary = {"swaps": sum(r.get("swaps", 0) for r in rows),
-                   "requests": sum(r.get("requests", 0) for r in rows),
-                   "failed_requests": sum(r.get("failed_requests", 0) for r in rows),
-                   "faults_injected": sum(r.get("faults_injected", 0) for r in rows),
-                   "rollbacks": sum(r.get("rollbacks", 0) for r in rows),
-                   "swap_ms_p50": by.get("recapture", {}).get("pause_ms_p50"),
-                   "swap_ms_p99": by.get("recapture", {}).get("pause_ms_p99"),
-                   "swap_ms_p50_no_recapture": by.get("resident", {}).get("pause_ms_p50"),
-                   "swap_ms_p99_no_recapture": by.get("resident", {}).get("pause_ms_p99")}
-        path = write_results("cartridges", {**head, **summary}, rows, COLUMNS)
-        data = json.loads(path.read_text())
-        data.update(summary)
-        path.write_text(json.dumps(data, indent=1))
+        publish(head, rows)
     ok = all("error" not in r and r["failed_requests"] == 0 and r["probe_identical_after"]
              and r["rollbacks"] == r["faults_injected"] for r in rows)
     return 0 if ok else 1

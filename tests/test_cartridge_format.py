@@ -333,3 +333,17 @@ def test_live_layers_match_by_their_one_numeric_segment(name, want):
 def test_ambiguous_live_names_are_refused(name):
     with pytest.raises(CartridgeError, match="one numeric 'layers.<idx>' segment"):
         live_layer_index(name)
+
+
+def test_the_cli_writes_a_cartridge_a_server_accepts_and_leaves_none_it_would_refuse(base, tmp_path, capsys):
+    from sglang_exl3.cli.main import main
+
+    assert main(["write-cartridge", str(base), str(tmp_path / "ok"), "--stage", "a:3:16", "--stage",
+                 "b:2:32:0,1", "--layers", "1"]) == 0
+    staged = stage_cartridge(tmp_path / "ok")
+    assert [s.k for s in staged.manifest.chain] == [3, 2] and staged.manifest.selected_layers == (1,)
+    staged.discard()
+    assert main(["write-cartridge", str(base), str(tmp_path / "bad"), "--stage", "a:9"]) == 1
+    assert "k must be an integer in 1..6" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):
+        main(["write-cartridge", str(base), str(tmp_path / "x"), "--stage", "a"])
