@@ -133,13 +133,36 @@ def test_a_narrower_cartridge_leaves_other_layers_on_the_base(ckpts, served):
 
 
 def test_a_cartridge_for_another_base_is_refused_before_anything_changes(ckpts, served, tmp_path):
+    """By its root at staging; a manifest that names the loaded root but another layer digest, at preparation (the
+    layer's digest recomputed from its loaded tensors)."""
+    import shutil
+
     foreign = write_cartridge(ckpts["other"], tmp_path / "c", [StageSpec("r", 2)])
     rt = CartridgeRuntime(served)
-    rt.stage(str(foreign))
-    with pytest.raises(CartridgeError, match="encoded for a different base checkpoint"):
-        rt.prepare()
-    assert rt.prepared is None and not rt.status()["active"]
-    rt.discard()
+    with pytest.raises(CartridgeError, match="encoded for a different base checkpoint: its base root"):
+        rt.stage(str(foreign))
+    assert rt.staged is None and not rt.status()["active"]
+    forged = shutil.copytree(foreign, tmp_path / "f")
+    doc = json.loads((forged / MANIFEST_NAME).read_text())
+    doc["base"]["compatibility_sha256"] = json.loads((ckpts["base"] / "config.json").read_text())[
+        "hybrid_tr3_tail"]["compatibility_sha256"]
+    (forged / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(CartridgeError, match=r"layers \[0, 1\] are missing from the loaded base's"):
+        rt.stage(str(forged))
+    for layer in rt.layers.values():  # as if the verified map agreed: the per-layer check still refuses
+        layer.exl3_base_identity = (layer.exl3_base_identity[0], {0: doc["base"]["compatibility_by_layer"]["0"],
+                                                                  1: doc["base"]["compatibility_by_layer"]["1"]})
+    try:
+        rt.stage(str(forged))
+        with pytest.raises(CartridgeError, match="encoded for a different base checkpoint \\(layer"):
+            rt.prepare()
+        assert rt.prepared is None and not rt.status()["active"]
+    finally:
+        rt.discard()
+        for layer in rt.layers.values():
+            layer.exl3_base_identity = (layer.exl3_base_identity[0], {
+                int(k): v for k, v in json.loads((ckpts["base"] / "config.json").read_text())[
+                    "hybrid_tr3_tail"]["compatibility_by_layer"].items()})
 
 
 def test_base_k_must_be_the_layers(ckpts, served, tmp_path):

@@ -64,8 +64,26 @@ class CartridgeRuntime:
         self.discard()
         tp = {getattr(layer, "moe_tp_size", 1) for layer in self.layers.values()}
         staged = stage_cartridge(path, runtime_tp=max(tp))
+        try:
+            self._check_base(staged.manifest)
+        except CartridgeError:
+            staged.discard()
+            raise
         self.staged = staged
         return sum(1 for name in self.layers if _selects(staged, name))
+
+    def _check_base(self, manifest) -> None:
+        """The manifest's base is the loaded one: the same root, and every selected layer in the verified per-layer
+        map with the same digest (a selected layer this rank does not hold, e.g. an MTP layer on a target-only
+        worker, is accepted on the map's word; the local ones are rechecked against their loaded tensors)."""
+        root, by_layer = next(iter(self.layers.values())).exl3_base_identity
+        if manifest.base_root != root:
+            raise CartridgeError(f"EXL3 cartridge was encoded for a different base checkpoint: its base root is "
+                                 f"{manifest.base_root}, the loaded base's {root}")
+        wrong = [layer for layer in manifest.selected_layers if by_layer.get(layer) != manifest.base_by_layer[layer]]
+        if wrong:
+            raise CartridgeError(f"EXL3 cartridge was encoded for a different base checkpoint: layers {wrong} are "
+                                 "missing from the loaded base's compatibility_by_layer or have other digests")
 
     def prepare(self) -> int:
         if self.staged is None:

@@ -102,6 +102,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             layer.exl3_base_layer = verify_base_layer(layer.exl3_moe_loaded, self.prefix,
                                                       self.config.rank_sliced.bits, self.base_digest)
             layer.exl3_base_digest = self.base_digest
+            layer.exl3_base_identity = (self.config.rank_sliced.compatibility_sha256,
+                                        self.config.rank_sliced.compatibility_by_layer)  # root, per-layer map
         self._attach_plan(layer)
         device = layer.w13_trellis.device
         backend = resolve_backend(device)
