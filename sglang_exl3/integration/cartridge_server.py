@@ -205,6 +205,10 @@ async def load_cartridge(tm, adapter_path: str, inject_fault: str = "") -> dict:
 
 
 async def deactivate_cartridge(tm) -> dict:
+    """Back to the base, drained; with no cartridge active on any rank, nothing to do: no pause."""
+    if not any((await cartridge_status(tm))["active"]):
+        return {"status": "deactivated", "updated_layers": [0], "swap_ms": [0.0], "drain_ms": 0.0, "pause_ms": 0.0,
+                "in_flight": 0}
     in_flight, t0 = len(getattr(tm, "rid_to_state", ())), time.perf_counter()
     async with _drained(tm):
         t1 = time.perf_counter()

@@ -166,6 +166,8 @@ def cartridge_forward(layer: torch.nn.Module, cart: LayerCartridge, x: torch.Ten
     from sglang_exl3.layers.moe_rotated import reference_gemm, rotated_forward, triton_gemm
 
     e, inter, hidden = len(layer.exl3_experts), layer.intermediate_size_per_partition, layer.hidden_size
+    if x.shape[0] == 0:  # no launch for an empty batch
+        return torch.zeros(0, hidden, dtype=torch.float32, device=x.device)
     gemm = triton_gemm(x.shape[0], topk_ids.shape[1], e, inter, hidden) if x.is_cuda else reference_gemm
     return rotated_forward(cart.weights, layer.exl3_rotation_tables, x.to(torch.float16), topk_weights, topk_ids,
                            gelu, gemm)

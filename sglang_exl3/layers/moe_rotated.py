@@ -96,7 +96,7 @@ def rotated_forward(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ro
     h = (act * u).to(torch.float16)
     y = rotate_out(gemm(rotate_in(h, down_suh[ids]), down_w, ids), down_svh[ids])
     w = (topk_weights.reshape(-1).float() * valid).view(m, topk, 1)
-    return (y.float().view(m, topk, -1) * w).sum(1)
+    return (y.float().view(m, topk, y.shape[1]) * w).sum(1)
 
 
 def reference_gemm(a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
