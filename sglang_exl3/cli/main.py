@@ -71,6 +71,20 @@ def _write_fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encode(args: argparse.Namespace) -> int:
+    from sglang_exl3.tools.encode_checkpoint import encode_checkpoint
+
+    try:
+        summary = encode_checkpoint(args.checkpoint, args.out, args.bits, args.codebook, args.head_bits,
+                                    args.modules, args.device, progress=not args.quiet)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {summary['encoded']} linears encoded at {summary['bits']} bits ({summary['codebook']}), "
+          f"{summary['plain']} modules copied")
+    return 0
+
+
 def _write_msrt_base(args: argparse.Namespace) -> int:
     from sglang_exl3.synth.msrt_base_writer import write_msrt_base
 
@@ -176,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write routed experts as R7 (quantization_config.r7_routed_experts: per-projection K3/K4/K5, "
                         "shared hidden-side rotations) under a modelopt label, as the reference's R7 checkpoints")
     w.set_defaults(func=_write_fixture)
+    e = sub.add_parser("encode", help="rewrite a BF16 / FP16 checkpoint as EXL3 with the uncalibrated trellis "
+                       "encoder (a GPU: minutes; the CPU: small models only)")
+    e.add_argument("checkpoint")
+    e.add_argument("out", help="output folder (must not exist or be empty)")
+    e.add_argument("--bits", type=int, choices=range(1, 9), default=4)
+    e.add_argument("--codebook", choices=["mcg", "mul1", "3inst"], default="mcg")
+    e.add_argument("--head-bits", type=int, choices=range(1, 9), default=None,
+                   help="encode the lm_head too (default: keep it as it is)")
+    e.add_argument("--modules", default=None, help="regex: encode only the decoder linears whose key matches")
+    e.add_argument("--device", default="cpu", help="where the encoder runs (cuda: much faster)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(func=_encode)
     mb = sub.add_parser("write-msrt-base", help="rewrite a rank-sliced checkpoint of tp=1 as an exl3-msrt-base/1 "
                         "cartridge base (closed profile, compatibility digests)")
     mb.add_argument("source")

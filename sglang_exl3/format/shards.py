@@ -44,3 +44,19 @@ class ShardPacker:
 
     def save(self, out: Path) -> list[str]:
         return save_shards(out, self.shards)
+
+
+def storage_entry(tensors: dict, bits: float | None, codebook=None) -> dict:
+    """One module's `tensor_storage` entry in exllamav3's sidecar: every stored tensor's shape, bytes and dtype, and
+    for an EXL3 module its format, bitrate and codebook multiplier."""
+    from sglang_exl3.format.constants import MARKER_VALUES
+
+    entry: dict = {"stored_tensors": {
+        name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+        for name, t in tensors.items()}}
+    if bits is not None:
+        entry["quant_format"] = "exl3"
+        entry["bits_per_weight"] = int(bits) if float(bits).is_integer() else bits
+        if codebook.marker:
+            entry[f"{codebook.marker}_multiplier"] = MARKER_VALUES[codebook.marker]
+    return entry

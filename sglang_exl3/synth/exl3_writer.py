@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sglang_exl3.format.constants import ALIGN, MARKER_VALUES, SIDECAR_NAME, Codebook
-from sglang_exl3.format.shards import ShardPacker
+from sglang_exl3.format.shards import ShardPacker, storage_entry
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -170,18 +170,6 @@ def random_exl3_linear(
     return out
 
 
-def _storage_entry(tensors: dict[str, torch.Tensor], bits: float | None, codebook: Codebook | None) -> dict:
-    entry: dict = {"stored_tensors": {
-        name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
-        for name, t in tensors.items()}}
-    if bits is not None:
-        entry["quant_format"] = "exl3"
-        entry["bits_per_weight"] = int(bits) if float(bits).is_integer() else bits
-        if codebook.marker:
-            entry[f"{codebook.marker}_multiplier"] = MARKER_VALUES[codebook.marker]
-    return entry
-
-
 def write_exl3_checkpoint(
     out_dir: str | Path,
     arch: str = "llama",
@@ -221,7 +209,7 @@ def write_exl3_checkpoint(
             if kind == "exl3_bias":  # padded like the output features, as exllamav3 stores it
                 parts["bias"] = (0.02 * torch.randn(_pad(shape[1]), generator=gen)).half()
             tensors = {f"{key}.{s}": t for s, t in parts.items()}
-            storage[key] = _storage_entry(tensors, rate, codebook)
+            storage[key] = storage_entry(tensors, rate, codebook)
         else:
             if kind == "norm":
                 t = (1 + 0.1 * torch.randn(shape, generator=gen)).bfloat16()
@@ -230,7 +218,7 @@ def write_exl3_checkpoint(
             else:
                 t = (0.02 * torch.randn(shape, generator=gen)).bfloat16()
             tensors = {f"{key}.weight": t}
-            storage[key] = _storage_entry(tensors, None, None)
+            storage[key] = storage_entry(tensors, None, None)
         packer.add(tensors)
     packer.save(out)
     qcfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(bits), "head_bits": head_bits,
