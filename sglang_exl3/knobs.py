@@ -9,6 +9,7 @@ knobs (mapping in README.md).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
@@ -24,7 +25,7 @@ class KnobError(ValueError):
 class Knob:
     name: str  # without the prefix
     default: object
-    kind: str  # "choice", "positive_int", "flag", or a native-code path: "native_file", "native_file_or_dir"
+    kind: str  # choice, positive_int, flag, regex, path, or a native-code path: native_file, native_file_or_dir
     choices: tuple[str, ...] = ()
     help: str = ""
     vllm_name: str | None = None
@@ -60,6 +61,14 @@ class Knob:
             if raw not in ("0", "1"):
                 raise KnobError(f"{self.env} must be 0 or 1 or unset, got {raw!r}")
             return raw == "1"
+        if self.kind == "regex":
+            try:
+                re.compile(raw)
+            except re.error as e:
+                raise KnobError(f"{self.env} is not a valid regular expression ({e}): {raw!r}") from None
+            return raw
+        if self.kind == "path":
+            return os.path.expanduser(raw)
         if self.kind in ("native_file", "native_file_or_dir"):  # loaded into every server process
             try:
                 return check_native_path(raw, self.env, self.kind.removeprefix("native_"))
@@ -96,6 +105,17 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_PREFILL_TRELLIS"),
     Knob("PREFILL_BLOCK_M", 64, "positive_int", ("8", "16", "32", "48", "64"), "MoE prefill plan block",
          vllm_name="VLLM_EXL3_PREFILL_BLOCK_M"),
+    Knob("ONLINE_BITS", None, "positive_int", help="serve a BF16 / FP16 checkpoint under --quantization exl3 with "
+         "its decoder linears encoded to EXL3 at this bitrate at load (uncalibrated, MCG; unset: BF16)",
+         vllm_name="VLLM_EXL3_ONLINE_TRELLIS_BITS", maximum=8),
+    Knob("ONLINE_MODULES", None, "regex", help="online encoding: only the linears whose SGLang prefix matches this "
+         "regex (unset: every decoder linear); a regex that matches nothing stops the load"),
+    Knob("ONLINE_CACHE", "readwrite", "choice", ("readwrite", "readonly", "off", "rw", "read-write", "read-only",
+                                                 "ro", "none"),
+         "online encoding cache: readwrite, readonly (a miss is encoded, never stored) or off",
+         vllm_name="VLLM_EXL3_ONLINE_CACHE_MODE"),
+    Knob("ONLINE_CACHE_DIR", None, "path", help="online encoding cache folder (unset: ~/.cache/sglang_exl3/online); "
+         "must not be writable by group or others", vllm_name="VLLM_EXL3_ONLINE_CACHE_DIR"),
     Knob("CARTRIDGES", "off", "choice", ("off", "recapture", "resident"), "expert cartridges on an "
          "exl3-msrt-base/1 checkpoint and their HTTP endpoints (unauthenticated: trusted networks only): "
          "recapture = a swap recaptures CUDA graphs; resident = every base MoE layer serves from a preallocated "

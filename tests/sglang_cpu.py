@@ -83,12 +83,14 @@ def process(module: torch.nn.Module) -> None:
             qm.process_weights_after_loading(m)
 
 
-def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None, draft: bool = False):
+def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = None, draft: bool = False,
+                   quantization: str | None = None):
     """What a server does: ModelConfig (the plugin's hooks claim EXL3 and rank-sliced checkpoints; a plain one stays
     unquantized), the quantization config from its parsed quantization_config, the model class SGLang's loader
     picks (`get_model_architecture`, with the plugin's hooks) built on
     `device` (parameters in `dtype`, as `--dtype` gives), SGLang's default loader (the plugin's hook normalises
     rank-sliced names). `draft`: as the draft worker does (`is_draft_model`: SGLang swaps in the NextN / MTP class).
+    `quantization`: what `--quantization` passes (`exl3` for a BF16 checkpoint encoded online).
     Returns (model, quantization config or None)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -98,7 +100,7 @@ def load_as_server(path: Path, device: str = "cpu", dtype: torch.dtype | None = 
 
     from sglang_exl3.layers.exl3_config import deactivate
 
-    config = ModelConfig(str(path), is_draft_model=draft)
+    config = ModelConfig(str(path), is_draft_model=draft, quantization=quantization)
     model_cls, _ = get_model_architecture(config)  # the loader's own choice (SGLang swaps some model classes)
     cfg = None
     if config.quantization == "exl3":  # the loader's own call (it reads hf_config.quantization_config)
@@ -155,3 +157,21 @@ def draft_hand_over(target, draft, with_head: bool) -> None:
             worker.draft_runner.model.set_embed(target.get_embed())
 
     draft_shares_target_modules(init_lm_head, SimpleNamespace(draft_runner=SimpleNamespace(model=draft)))
+
+
+def msrt_base(root: Path, seed: int, bits: int = 3) -> Path:
+    """A tiny exl3-msrt-base/1 cartridge base (Qwen3-MoE layout, 2 layers of 4 experts) under `root`."""
+    from sglang_exl3.synth.msrt_base_writer import write_msrt_base
+    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
+
+    return write_msrt_base(write_rank_sliced_checkpoint(root / "rs", bits=bits, tp=1, seed=seed, with_tokenizer=True),
+                           root / "base")
+
+
+def small_bf16_llama(directory: Path, seed: int) -> Path:
+    """A one-layer BF16 Llama of width 128 (two heads of 64, one KV head): the smallest model whose linears are
+    whole 128-element blocks, for the encoder on the CPU (~30 s per 128x128 module)."""
+    from sglang_exl3.synth.hf_models import make_random_hf_model
+
+    return make_random_hf_model("llama", directory, seed=seed, hidden_size=128, intermediate_size=128,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=1)

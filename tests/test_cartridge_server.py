@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cpu import load_as_server, sglang_runtime
+from sglang_cpu import load_as_server, msrt_base, sglang_runtime
 from sglang_exl3.synth.cartridge_writer import StageSpec, write_cartridge
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -21,12 +21,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from sglang_exl3.synth.msrt_base_writer import write_msrt_base
-    from sglang_exl3.synth.rank_sliced_writer import write_rank_sliced_checkpoint
-
     root = tmp_path_factory.mktemp("cart-server")
-    base = write_msrt_base(write_rank_sliced_checkpoint(root / "rs", bits=3, tp=1, seed=4, with_tokenizer=True),
-                           root / "base")
+    base = msrt_base(root, seed=4)
     return base, write_cartridge(base, root / "c", [StageSpec("r", 2, 8.0)], seed=6)
 
 

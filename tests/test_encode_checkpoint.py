@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_cpu import load_as_server, sglang_runtime
+from sglang_cpu import load_as_server, sglang_runtime, small_bf16_llama
 from sglang_exl3.cli.main import main
 from sglang_exl3.format import load_checkpoint
 
@@ -21,11 +21,7 @@ KEY = "model.layers.0.self_attn.o_proj"
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    from sglang_exl3.synth.hf_models import make_random_hf_model
-
-    return make_random_hf_model("llama", tmp_path_factory.mktemp("enc") / "bf16", seed=2, hidden_size=128,
-                                intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                num_hidden_layers=1)
+    return small_bf16_llama(tmp_path_factory.mktemp("enc") / "bf16", seed=2)
 
 
 def test_encode_writes_a_checkpoint_that_serves(source, tmp_path, capsys):

@@ -23,15 +23,21 @@ def _dequantize(args: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _run_writer(lambda: dequantize_checkpoint(
+        args.checkpoint, args.out, dtype=args.dtype, device=device, max_shard_bytes=int(args.max_shard_gib * 2**30),
+        progress=not args.quiet), (Exl3FormatError, FileExistsError, ValueError), lambda summary: (
+        f"wrote {args.out}: {summary['exl3_modules']} EXL3 modules dequantized to {summary['dtype']}, "
+        f"{summary['plain_tensors']} tensors copied, {len(summary['shards'])} shard(s)"))
+
+
+def _run_writer(write, errors: tuple, report) -> int:
+    """Run a checkpoint writer: its summary printed, or its error on stderr with exit status 1."""
     try:
-        summary = dequantize_checkpoint(args.checkpoint, args.out, dtype=args.dtype, device=device,
-                                        max_shard_bytes=int(args.max_shard_gib * 2**30),
-                                        progress=not args.quiet)
-    except (Exl3FormatError, FileExistsError, ValueError) as e:
+        summary = write()
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}: {summary['exl3_modules']} EXL3 modules dequantized to {summary['dtype']}, "
-          f"{summary['plain_tensors']} tensors copied, {len(summary['shards'])} shard(s)")
+    print(report(summary))
     return 0
 
 
@@ -74,15 +80,11 @@ def _write_fixture(args: argparse.Namespace) -> int:
 def _encode(args: argparse.Namespace) -> int:
     from sglang_exl3.tools.encode_checkpoint import encode_checkpoint
 
-    try:
-        summary = encode_checkpoint(args.checkpoint, args.out, args.bits, args.codebook, args.head_bits,
-                                    args.modules, args.device, progress=not args.quiet)
-    except (ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out}: {summary['encoded']} linears encoded at {summary['bits']} bits ({summary['codebook']}), "
-          f"{summary['plain']} modules copied")
-    return 0
+    return _run_writer(lambda: encode_checkpoint(
+        args.checkpoint, args.out, args.bits, args.codebook, args.head_bits, args.modules, args.device,
+        progress=not args.quiet), (ValueError, FileExistsError), lambda summary: (
+        f"wrote {args.out}: {summary['encoded']} linears encoded at {summary['bits']} bits ({summary['codebook']}), "
+        f"{summary['plain']} modules copied"))
 
 
 def _write_msrt_base(args: argparse.Namespace) -> int:

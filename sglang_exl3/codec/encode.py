@@ -115,7 +115,8 @@ def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,
     signs and Hadamard rotations make the weights near-Gaussian, one scale brings them to the codebook's spread,
     and each 16x16 tile is encoded by `encode_tiles` (no Hessian, so no LDLQ: exllamav3's fallback when it has no
     calibration). Returns trellis [in/16, out/16, 16K] (int16), suh [in] and svh [out] (fp16) such that
-    w ~ diag(suh) H W_hat H diag(svh), the decoder's formula."""
+    w ~ diag(suh) H W_hat H diag(svh), the decoder's formula, and `proxy_error`: the mean squared error of the
+    encoded tiles over their variance (the fraction of the weight's energy lost, before the fp16 scales)."""
     from sglang_exl3.codec.hadamard import BLOCK
     from sglang_exl3.codec.trellis import positions_from_tiles
 
@@ -128,5 +129,8 @@ def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,
     rotated = _rotate_blocks(w.float() * su[:, None] * sv[None, :])
     spread = float(codebook_table(codebook, w.device).float().std())
     scale = float(rotated.std()) / spread if float(rotated.std()) > 0 else 1.0
-    trellis, _ = encode_trellis(positions_from_tiles(rotated / scale), k, codebook)
-    return {"trellis": trellis, "suh": (su * scale).to(torch.float16), "svh": sv.to(torch.float16)}
+    target = positions_from_tiles(rotated / scale)
+    trellis, values = encode_trellis(target, k, codebook)
+    proxy = float((values.float() - target).square().mean() / target.var().clamp_min(1e-30))
+    return {"trellis": trellis, "suh": (su * scale).to(torch.float16), "svh": sv.to(torch.float16),
+            "proxy_error": proxy}

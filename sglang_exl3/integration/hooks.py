@@ -122,7 +122,10 @@ def rank_sliced_weights(original, model, weights, target_device):
     if getattr(config, "r7", None) is not None:
         return original(model, _r7_normalized(weights, config.r7), target_device)
     if getattr(config, "rank_sliced", None) is None:
-        return original(model, weights, target_device)
+        result = original(model, weights, target_device)
+        if hasattr(config, "check_online_claimed"):
+            config.check_online_claimed()  # online encoding: the module pattern selected something
+        return result
     result = original(model, _normalized(weights, config.rank_sliced, config.rank_sliced_rank or 0), target_device)
     config.check_rank_sliced_layers(model)  # SGLang's loader skips names no module takes: nothing may vanish
     return result

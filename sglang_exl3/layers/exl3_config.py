@@ -35,6 +35,8 @@ _QKV_IDS = ("q", "k", "v")
 # mapping is added on top.
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 _LAYER_ID = re.compile(r"\.layers\.(\d+)\.")
+_ONLINE_DEFAULT = re.compile(r"(^|\.)layers\.\d+\.")  # online encoding: the decoder layers' linears
+_ROUTER = re.compile(r"\.(gate|shared_expert_gate)$")  # ... except MoE routers, which stay BF16 as exllamav3 keeps them
 
 
 def _candidates(key: str) -> list[str]:
@@ -63,6 +65,8 @@ class Exl3Config(QuantizationConfig):
         self.r7 = None  # R7Spec of a checkpoint with quantization_config.r7_routed_experts
         self.nextn_layer: int | None = None  # the checkpoint layer a NextN draft builds as `model.decoder`
         self._checked_claims = False
+        self.online_bits = knobs.get("ONLINE_BITS") if checkpoint is None else None  # BF16 encoded at load
+        self.online_claimed: list[str] = []
 
     def __repr__(self) -> str:
         where = self.checkpoint.path if self.checkpoint else "pass-through (unquantized)"
@@ -211,6 +215,8 @@ class Exl3Config(QuantizationConfig):
                 return Exl3EmbeddingMethod(int(bits), prefix)
             return None
         if isinstance(layer, LinearBase):
+            if self.checkpoint is None and self.online_bits:
+                return self._online_method(prefix)
             records = self._source_records(prefix)
             found = {sid: r for sid, r in records.items() if r is not None}
             if not found:
@@ -224,6 +230,25 @@ class Exl3Config(QuantizationConfig):
         if _is_moe(layer):
             return self._moe_method(layer, prefix)
         return None
+
+    def _online_method(self, prefix: str):
+        """A BF16 checkpoint under SGLANG_EXL3_ONLINE_BITS: the decoder's linears (not routers) whose prefix matches
+        SGLANG_EXL3_ONLINE_MODULES are encoded at load (layers/online_linear.py); the rest stay BF16."""
+        from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod
+
+        pattern = knobs.get("ONLINE_MODULES")
+        decoder = _ONLINE_DEFAULT.search(prefix) and not _ROUTER.search(prefix)
+        if decoder and (pattern is None or re.search(pattern, prefix)):
+            self.online_claimed.append(prefix)
+            return Exl3OnlineLinearMethod(prefix, self.online_bits)
+        return UnquantizedLinearMethod()
+
+    def check_online_claimed(self) -> None:
+        """After loading: SGLANG_EXL3_ONLINE_MODULES must have matched a linear (a typo must not serve BF16)."""
+        if self.checkpoint is None and self.online_bits and not self.online_claimed:
+            raise ValueError(f"SGLANG_EXL3_ONLINE_BITS={self.online_bits} but no linear of the model was selected "
+                             f"(SGLANG_EXL3_ONLINE_MODULES={knobs.get('ONLINE_MODULES')!r}); fix the pattern or "
+                             "unset SGLANG_EXL3_ONLINE_BITS")
 
     def _moe_method(self, layer: torch.nn.Module, prefix: str):
         """Exl3MoEMethod when the layer's experts are EXL3 in the checkpoint, None when none is."""

@@ -248,18 +248,23 @@ class Exl3LinearMethod(LinearMethodBase):
                         ", ".join(f"{s.key}: {s.codebook.label}" for s in shards))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead, width = x.shape[:-1], x.shape[-1]
-        where = f"EXL3 {self.prefix}"
-        x16 = pad_input(x.reshape(-1, width).to(torch.float16), layer.exl3_shards[0].in_features, where)
-        if layer.exl3_group is not None:
-            y = run_group(x16, layer.exl3_shards, layer.exl3_group)
-        else:
-            outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
-            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        if output_check.enabled(layer, x16):
-            want = torch.cat([output_check.shard_reference(x16, s) for s in layer.exl3_shards], dim=-1)
-            path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
-            output_check.report(layer, where, path, x16, y, want)
-        if bias is not None:
-            y = y.float() + bias.float()
-        return y.to(x.dtype).reshape(*lead, y.shape[-1])
+        return apply_shards(layer, x, bias, f"EXL3 {self.prefix}")
+
+
+def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, where: str) -> torch.Tensor:
+    """A linear layer's EXL3 forward over its shards (`exl3_shards`, `exl3_group`, `exl3_backend`): one group launch
+    or one GEMM per shard, then the bias."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    x16 = pad_input(x.reshape(-1, width).to(torch.float16), layer.exl3_shards[0].in_features, where)
+    if layer.exl3_group is not None:
+        y = run_group(x16, layer.exl3_shards, layer.exl3_group)
+    else:
+        outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    if output_check.enabled(layer, x16):
+        want = torch.cat([output_check.shard_reference(x16, s) for s in layer.exl3_shards], dim=-1)
+        path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
+        output_check.report(layer, where, path, x16, y, want)
+    if bias is not None:
+        y = y.float() + bias.float()
+    return y.to(x.dtype).reshape(*lead, y.shape[-1])

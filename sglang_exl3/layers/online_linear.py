@@ -1,0 +1,104 @@
+"""A BF16 / FP16 linear encoded to EXL3 while the model loads (SGLANG_EXL3_ONLINE_BITS): SGLang's unquantized
+weight loaders fill the layer's weight as usual (tensor-parallel cuts and fused q/k/v, gate/up shards included), then
+`process_weights_after_loading` encodes each output shard of this rank (codec/encode.py, uncalibrated MCG) into an
+`Exl3Shard`, frees the weight, and the layer runs the same EXL3 forward as a checkpoint's.
+
+Each shard's encoding goes through the persistent cache (runtime/online_cache.py). Its key identifies the source by
+the SHA-256 of the shard's own weight bytes, so an entry can only ever be reused for the same weights, whatever
+happens to the files on disk; the key adds the encoder's source digest, the module, bitrate, codebook, seed, TP
+world size and rank, shapes and dtype.
+
+A shard whose rows or columns are not whole 128-element blocks stays BF16 (the whole layer then does, logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zlib
+from functools import cache
+from pathlib import Path
+
+import torch
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+from sglang_exl3 import knobs
+from sglang_exl3.format.constants import Codebook
+from sglang_exl3.kernels.backends import resolve_backend
+from sglang_exl3.layers.linear import apply_shards, group_shards, prepare_for_backend
+from sglang_exl3.layers.shard import Exl3Shard
+
+logger = logging.getLogger(__name__)
+BLOCK = 128
+CODEBOOK = Codebook.MCG
+
+
+@cache
+def online_cache():
+    from sglang_exl3.runtime.online_cache import OnlineCache, resolve_mode
+
+    root = knobs.get("ONLINE_CACHE_DIR") or Path.home() / ".cache" / "sglang_exl3" / "online"
+    return OnlineCache(root, resolve_mode(knobs.get("ONLINE_CACHE")))
+
+
+def weight_digest(w: torch.Tensor) -> str:
+    """SHA-256 of a weight's bytes as stored (bf16 / fp16 viewed as int16)."""
+    raw = w.detach().contiguous().view(torch.int16) if w.element_size() == 2 else w.detach().contiguous()
+    return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
+
+
+def _tp(layer: torch.nn.Module) -> tuple[int, int]:
+    return int(getattr(layer, "tp_size", 1) or 1), int(getattr(layer, "tp_rank", 0) or 0)
+
+
+class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
+    """SGLang's BF16 weights and loaders, then the EXL3 forward on this rank's encoded shards."""
+
+    def __init__(self, prefix: str, bits: int):
+        super().__init__()
+        self.prefix, self.bits = prefix, bits
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        weight = layer.weight.data  # [out this rank, in this rank]
+        sizes = list(getattr(layer, "output_partition_sizes", None) or [weight.shape[0]])
+        if sum(sizes) != weight.shape[0]:
+            sizes = [weight.shape[0]]
+        if weight.shape[1] % BLOCK or any(n % BLOCK for n in sizes):
+            logger.warning("EXL3 online: %s stays %s: its shards %s x %d are not whole %d-element blocks",
+                           self.prefix, weight.dtype, sizes, weight.shape[1], BLOCK)
+            return super().process_weights_after_loading(layer)
+        from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
+
+        world, rank = _tp(layer)
+        shards, row = [], 0
+        for i, n in enumerate(sizes):
+            part = weight[row:row + n]
+            row += n
+            module = f"{self.prefix}[{i}]" if len(sizes) > 1 else self.prefix
+            key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module,
+                            bits=self.bits, codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF,
+                            tp_world_size=world, tp_rank=rank, input_size=part.shape[1], output_size=n,
+                            source_dtype=str(part.dtype))
+            tensors, how = online_cache().get_or_encode(key, lambda p=part, k=key: _encode(p, k))
+            logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, part.shape[1], n, self.bits, how)
+            shards.append(Exl3Shard(key=module, trellis=tensors["trellis"].to(weight.device),
+                                    suh=tensors["suh"].to(weight.device), svh=tensors["svh"].to(weight.device),
+                                    codebook=CODEBOOK, out_features=n))
+        backend = resolve_backend(weight.device)
+        prepare_for_backend(shards, backend)
+        layer.exl3_shards, layer.exl3_group, layer.exl3_backend = shards, group_shards(shards, backend), int(backend)
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                          requires_grad=False)  # the BF16 weight is freed
+        layer.exl3_online = True
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not getattr(layer, "exl3_online", False):
+            return super().apply(layer, x, bias)
+        return apply_shards(layer, x, bias, f"EXL3 online {self.prefix}")
+
+
+def _encode(part: torch.Tensor, key: dict) -> tuple[dict[str, torch.Tensor], float]:
+    from sglang_exl3.codec.encode import encode_weight
+
+    enc = encode_weight(part.float().t().contiguous(), key["bits"], CODEBOOK, seed=key["seed"])
+    return {"trellis": enc["trellis"], "suh": enc["suh"], "svh": enc["svh"]}, enc["proxy_error"]

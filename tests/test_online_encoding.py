@@ -1,0 +1,76 @@
+"""Online encoding at load (SGLANG_EXL3_ONLINE_BITS): a BF16 checkpoint served with --quantization exl3 through
+SGLang's own model class and loader. The selected linear runs the EXL3 forward on its encoded weights (within the
+4-bit trellis distortion of the BF16 product), its BF16 weight is freed, and a second load reads the cache instead of
+encoding; a fused shard that is not whole 128-element blocks stays BF16; a module pattern that selects nothing stops
+the load. (One 128x128 module: ~30 s of encoding on the CPU.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sglang_cpu import load_as_server, sglang_runtime, small_bf16_llama
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+KEY = "model.layers.0.self_attn.o_proj"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return small_bf16_llama(tmp_path_factory.mktemp("online") / "bf16", seed=3)
+
+
+@pytest.fixture
+def online(monkeypatch, tmp_path):
+    from sglang_exl3.layers.online_linear import online_cache
+
+    monkeypatch.setenv("SGLANG_EXL3_ONLINE_BITS", "4")
+    monkeypatch.setenv("SGLANG_EXL3_ONLINE_CACHE_DIR", str(tmp_path / "cache"))
+    online_cache.cache_clear()
+    yield monkeypatch
+    online_cache.cache_clear()
+
+
+def _o_proj(model):
+    return model.model.layers[0].self_attn.o_proj
+
+
+def test_a_selected_linear_is_encoded_then_read_from_the_cache(source, online, caplog):
+    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"o_proj$")
+    sglang_runtime()
+    caplog.set_level(logging.INFO, logger="sglang_exl3.layers.online_linear")
+    model, _ = load_as_server(source, quantization="exl3")
+    layer = _o_proj(model)
+    assert layer.exl3_online and layer.weight.numel() == 0 and f"{KEY} 128x128 at 4 bits: encoded" in caplog.text
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = x.float() @ load_file(str(source / "model.safetensors"))[f"{KEY}.weight"].float().t()
+    got = layer.quant_method.apply(layer, x)
+    assert float((got.float() - want).norm() / want.norm()) < 0.09
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not getattr(qkv, "exl3_online", False) and qkv.weight.numel() > 0  # not selected: BF16
+
+    caplog.clear()
+    again, _ = load_as_server(source, quantization="exl3")
+    assert f"{KEY} 128x128 at 4 bits: hit" in caplog.text
+    assert torch.equal(_o_proj(again).quant_method.apply(_o_proj(again), x), got)
+
+
+def test_shards_that_are_not_whole_blocks_stay_unencoded(source, online, caplog):
+    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"qkv_proj$")  # q 128, k 64, v 64 rows
+    sglang_runtime()
+    caplog.set_level(logging.WARNING, logger="sglang_exl3.layers.online_linear")
+    model, _ = load_as_server(source, quantization="exl3")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not getattr(qkv, "exl3_online", False) and qkv.weight.numel() > 0
+    assert "qkv_proj stays torch.float32: its shards [128, 64, 64] x 128 are not whole 128-element blocks" in \
+        caplog.text  # the CPU builds the layers in fp32 (a server in the checkpoint's bf16)
+
+
+def test_a_pattern_that_selects_nothing_stops_the_load(source, online):
+    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"no_such_module")
+    sglang_runtime()
+    with pytest.raises(ValueError, match="no linear of the model was selected"):
+        load_as_server(source, quantization="exl3")
