@@ -45,6 +45,7 @@ def test_a_selected_linear_is_encoded_then_read_from_the_cache(source, online, c
     model, _ = load_as_server(source, quantization="exl3")
     layer = _o_proj(model)
     assert layer.exl3_online and layer.weight.numel() == 0 and f"{KEY} 128x128 at 4 bits: encoded" in caplog.text
+    assert "EXL3 online: 1/1 linears (0 from the cache)" in caplog.text
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     want = x.float() @ load_file(str(source / "model.safetensors"))[f"{KEY}.weight"].float().t()
     got = layer.quant_method.apply(layer, x)

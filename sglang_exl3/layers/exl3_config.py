@@ -234,13 +234,15 @@ class Exl3Config(QuantizationConfig):
     def _online_method(self, prefix: str):
         """A BF16 checkpoint under SGLANG_EXL3_ONLINE_BITS: the decoder's linears (not routers) whose prefix matches
         SGLANG_EXL3_ONLINE_MODULES are encoded at load (layers/online_linear.py); the rest stay BF16."""
-        from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod
+        from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod, OnlineProgress
 
         pattern = knobs.get("ONLINE_MODULES")
         decoder = _ONLINE_DEFAULT.search(prefix) and not _ROUTER.search(prefix)
         if decoder and (pattern is None or re.search(pattern, prefix)):
             self.online_claimed.append(prefix)
-            return Exl3OnlineLinearMethod(prefix, self.online_bits)
+            self.online_progress = getattr(self, "online_progress", None) or OnlineProgress()
+            self.online_progress.total += 1
+            return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress)
         return UnquantizedLinearMethod()
 
     def check_online_claimed(self) -> None:

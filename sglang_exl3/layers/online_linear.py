@@ -51,12 +51,33 @@ def _tp(layer: torch.nn.Module) -> tuple[int, int]:
     return int(getattr(layer, "tp_size", 1) or 1), int(getattr(layer, "tp_rank", 0) or 0)
 
 
+class OnlineProgress:
+    """Linears done out of those the model selected, with the time so far and an estimate of what is left (layers
+    read from the cache are not counted in the rate)."""
+
+    def __init__(self):
+        self.total = self.done = self.hits = 0
+        self.started: float | None = None
+
+    def step(self, hit: bool) -> None:
+        import time
+
+        now = time.monotonic()
+        self.started = self.started or now
+        self.done, self.hits = self.done + 1, self.hits + hit
+        encoded = self.done - self.hits
+        rate = (now - self.started) / max(encoded, 1)
+        left = max(self.total - self.done, 0) * rate if encoded else 0.0
+        logger.info("EXL3 online: %d/%d linears (%d from the cache), %.0f s so far, ~%.0f s left", self.done,
+                    self.total, self.hits, now - self.started, left)
+
+
 class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
     """SGLang's BF16 weights and loaders, then the EXL3 forward on this rank's encoded shards."""
 
-    def __init__(self, prefix: str, bits: int):
+    def __init__(self, prefix: str, bits: int, progress: OnlineProgress | None = None):
         super().__init__()
-        self.prefix, self.bits = prefix, bits
+        self.prefix, self.bits, self.progress = prefix, bits, progress
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weight = layer.weight.data  # [out this rank, in this rank]
@@ -70,7 +91,11 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
         from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
 
         world, rank = _tp(layer)
-        shards, row = [], 0
+        if self.progress is not None and self.progress.started is None:
+            import time
+
+            self.progress.started = time.monotonic()
+        shards, hits, row = [], [], 0
         for i, n in enumerate(sizes):
             part = weight[row:row + n]
             row += n
@@ -81,9 +106,12 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
                             source_dtype=str(part.dtype))
             tensors, how = online_cache().get_or_encode(key, lambda p=part, k=key: _encode(p, k))
             logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, part.shape[1], n, self.bits, how)
+            hits.append(how == "hit")
             shards.append(Exl3Shard(key=module, trellis=tensors["trellis"].to(weight.device),
                                     suh=tensors["suh"].to(weight.device), svh=tensors["svh"].to(weight.device),
                                     codebook=CODEBOOK, out_features=n))
+        if self.progress is not None:
+            self.progress.step(all(hits))
         backend = resolve_backend(weight.device)
         prepare_for_backend(shards, backend)
         layer.exl3_shards, layer.exl3_group, layer.exl3_backend = shards, group_shards(shards, backend), int(backend)
