@@ -80,9 +80,12 @@ def _write_fixture(args: argparse.Namespace) -> int:
 def _encode(args: argparse.Namespace) -> int:
     from sglang_exl3.tools.encode_checkpoint import encode_checkpoint
 
+    encoder = None
+    if args.device.startswith("cuda"):
+        from sglang_exl3.kernels.cuda_encode import encode_tiles_cuda as encoder
     return _run_writer(lambda: encode_checkpoint(
         args.checkpoint, args.out, args.bits, args.codebook, args.head_bits, args.modules, args.device,
-        progress=not args.quiet), (ValueError, FileExistsError), lambda summary: (
+        progress=not args.quiet, encoder=encoder), (ValueError, FileExistsError), lambda summary: (
         f"wrote {args.out}: {summary['encoded']} linears encoded at {summary['bits']} bits ({summary['codebook']}), "
         f"{summary['plain']} modules copied"))
 

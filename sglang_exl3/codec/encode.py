@@ -9,11 +9,14 @@ ring finds where a good path crosses position 0; the second pass starts from tha
 closes the ring. The result is the exact optimum whenever the two passes agree on that edge, else a consistent
 path within a small margin of it.
 
-Pure torch, on whatever device the input is on (the CPU for tests and small models). Integer K only (1..8); the
-half rates are MUL1-only and not encoded here.
+Pure torch, on whatever device the input is on (the CPU for tests and small models); `kernels/cuda_encode.py` runs
+the same search as a CUDA kernel and can be passed as `encoder`. Integer K only (1..8); the half rates are MUL1-only
+and not encoded here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -89,12 +92,16 @@ def encode_tiles(x: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG) -> 
     return torch.cat(out).to(torch.int32)
 
 
-def encode_trellis(tiles: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG) -> tuple[torch.Tensor, torch.Tensor]:
+TilesEncoder = Callable[[torch.Tensor, int, Codebook], torch.Tensor]  # encode_tiles, or kernels.cuda_encode's
+
+
+def encode_trellis(tiles: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,
+                   encoder: TilesEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-order tile values [..., 256] -> (int16 trellis [..., 16K], the decoded fp16 values [..., 256])."""
     from sglang_exl3.codec.codebook import decode_states
 
     lead = tiles.shape[:-1]
-    states = encode_tiles(tiles.reshape(-1, POSITIONS), k, codebook)
+    states = (encoder or encode_tiles)(tiles.reshape(-1, POSITIONS), k, codebook)
     trellis = pack_trellis(states.cpu(), k).to(tiles.device)
     return trellis.reshape(*lead, -1), decode_states(states, codebook).reshape(*lead, POSITIONS)
 
@@ -109,8 +116,8 @@ def _rotate_blocks(w: torch.Tensor) -> torch.Tensor:
     return (left.reshape(k, n // BLOCK, BLOCK) @ h).reshape(k, n)
 
 
-def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,
-                  seed: int = 0) -> dict[str, torch.Tensor]:
+def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG, seed: int = 0,
+                  encoder: TilesEncoder | None = None) -> dict[str, torch.Tensor]:
     """An uncalibrated EXL3 linear for w [in, out] (y = x @ w; in and out multiples of 128): random input / output
     signs and Hadamard rotations make the weights near-Gaussian, one scale brings them to the codebook's spread,
     and each 16x16 tile is encoded by `encode_tiles` (no Hessian, so no LDLQ: exllamav3's fallback when it has no
@@ -130,7 +137,7 @@ def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,
     spread = float(codebook_table(codebook, w.device).float().std())
     scale = float(rotated.std()) / spread if float(rotated.std()) > 0 else 1.0
     target = positions_from_tiles(rotated / scale)
-    trellis, values = encode_trellis(target, k, codebook)
+    trellis, values = encode_trellis(target, k, codebook, encoder)
     proxy = float((values.float() - target).square().mean() / target.var().clamp_min(1e-30))
     return {"trellis": trellis, "suh": (su * scale).to(torch.float16), "svh": sv.to(torch.float16),
             "proxy_error": proxy}

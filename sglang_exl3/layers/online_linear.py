@@ -126,7 +126,12 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
 
 
 def _encode(part: torch.Tensor, key: dict) -> tuple[dict[str, torch.Tensor], float]:
+    """The torch encoder, or on a GPU with our kernels the same search as a CUDA kernel (the same path)."""
     from sglang_exl3.codec.encode import encode_weight
+    from sglang_exl3.kernels.backends import Backend
 
-    enc = encode_weight(part.float().t().contiguous(), key["bits"], CODEBOOK, seed=key["seed"])
+    encoder = None
+    if part.is_cuda and resolve_backend(part.device) == Backend.CUDA:
+        from sglang_exl3.kernels.cuda_encode import encode_tiles_cuda as encoder
+    enc = encode_weight(part.float().t().contiguous(), key["bits"], CODEBOOK, seed=key["seed"], encoder=encoder)
     return {"trellis": enc["trellis"], "suh": enc["suh"], "svh": enc["svh"]}, enc["proxy_error"]

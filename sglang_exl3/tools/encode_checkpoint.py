@@ -42,7 +42,7 @@ def _load_all(src: Path) -> dict[str, torch.Tensor]:
 
 
 def encode_module(weight: torch.Tensor, bias: torch.Tensor | None, key: str, bits: int, codebook: Codebook,
-                  device: str) -> dict[str, torch.Tensor]:
+                  device: str, encoder=None) -> dict[str, torch.Tensor]:
     """One linear ([out, in] weight, HF layout) as exllamav3 stores it: suh, svh, marker, trellis (+ bias)."""
     from sglang_exl3.codec.encode import encode_weight
     from sglang_exl3.format.constants import MARKER_VALUES
@@ -50,7 +50,7 @@ def encode_module(weight: torch.Tensor, bias: torch.Tensor | None, key: str, bit
     out_f, in_f = weight.shape
     w = torch.zeros(_pad(in_f), _pad(out_f), dtype=torch.float32, device=device)
     w[:in_f, :out_f] = weight.to(device=device, dtype=torch.float32).t()
-    enc = encode_weight(w, bits, codebook, seed=zlib.crc32(key.encode()) & 0x7FFFFFFF)
+    enc = encode_weight(w, bits, codebook, seed=zlib.crc32(key.encode()) & 0x7FFFFFFF, encoder=encoder)
     out = {f"{key}.suh": enc["suh"].cpu(), f"{key}.svh": enc["svh"].cpu()}
     if codebook.marker:
         value = MARKER_VALUES[codebook.marker]
@@ -66,7 +66,9 @@ def encode_module(weight: torch.Tensor, bias: torch.Tensor | None, key: str, bit
 
 def encode_checkpoint(src: str | Path, out: str | Path, bits: int, codebook: Codebook | str = Codebook.MCG,
                       head_bits: int | None = None, modules: str | None = None, device: str = "cpu",
-                      progress: bool = True) -> dict:
+                      progress: bool = True, encoder=None) -> dict:
+    """`encoder`: the per-tile search (codec.encode.encode_tiles by default; the CLI passes the CUDA kernel's on a
+    GPU)."""
     src, out = Path(src), Path(out)
     codebook = Codebook.from_label(codebook) if isinstance(codebook, str) else Codebook(codebook)
     config = json.loads((src / "config.json").read_text())
@@ -93,7 +95,7 @@ def encode_checkpoint(src: str | Path, out: str | Path, bits: int, codebook: Cod
     for key in todo:
         rate = head_bits if key == "lm_head" else bits
         parts = encode_module(tensors.pop(f"{key}.weight"), tensors.pop(f"{key}.bias", None), key, rate, codebook,
-                              device)
+                              device, encoder)
         storage[key] = storage_entry(parts, rate, codebook)
         packer.add(parts)
     for key in keys:

@@ -1503,7 +1503,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 11; }
+int exl3_abi_version(void) { return 12; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
@@ -1512,6 +1512,145 @@ const char* exl3_error_string(int code) {
     case -3: return "bad shape or argument";
     default: return cudaGetErrorString((cudaError_t)code);
   }
+}
+
+}  // extern "C"
+
+// -----------------------------------------------------------------------------------------------------------------
+// Trellis encoding: the tail-biting Viterbi search of codec/encode.py, one block per 16x16 tile, bit for bit the same
+// path (the same fp32 operations with no contraction, the lowest index among equal errors, the same two passes: from
+// the middle of the ring to find the edge crossing position 0, then from that edge back to it).
+
+namespace {
+
+constexpr int kEncThreads = 1024;
+
+__device__ __forceinline__ float enc_err(float value, float x) {
+  const float d = __fsub_rn(value, x);
+  return __fmul_rn(d, d);
+}
+
+__device__ __forceinline__ bool enc_better(float v, int i, float best, int best_i) {
+  return v < best || (v == best && i < best_i);
+}
+
+__global__ void __launch_bounds__(kEncThreads)
+quantize_tiles_kernel(const float* __restrict__ x, const float* __restrict__ table, int* __restrict__ states,
+                      float* __restrict__ cost_scratch, uint16_t* __restrict__ back_scratch, int k) {
+  const int kr = 16 - k;
+  const int edges = 1 << kr;
+  const int hi_count = 1 << k;
+  const float* xt = x + (size_t)blockIdx.x * 256;
+  float* cost0 = cost_scratch + (size_t)blockIdx.x * 2 * edges;
+  float* cost1 = cost0 + edges;
+  uint16_t* back = back_scratch + (size_t)blockIdx.x * 256 * edges;
+  __shared__ float s_val[32];
+  __shared__ int s_idx[32];
+  __shared__ int s_edge;
+
+  // 256 steps from position `roll`; pre >= 0: the edge every path comes from. Returns the buffer of final costs.
+  auto forward = [&](int roll, int pre) -> const float* {
+    float* prev = cost0;
+    float* cur = cost1;
+    for (int i = 0; i < 256; ++i) {
+      const int pos = (i + roll) & 255;
+      const float xv = xt[pos];
+      for (int e = threadIdx.x; e < edges; e += blockDim.x) {
+        float best = 0.f;
+        int best_in = 0;
+        for (int hi = 0; hi < hi_count; ++hi) {
+          const int state = (hi << kr) | e;
+          const int in_edge = state >> k;
+          float err = enc_err(table[state], xv);
+          if (i > 0) err = __fadd_rn(err, prev[in_edge]);
+          else if (pre >= 0 && in_edge != pre) err = INFINITY;
+          if (hi == 0 || err < best) {
+            best = err;
+            best_in = in_edge;
+          }
+        }
+        cur[e] = best;
+        back[(size_t)pos * edges + e] = (uint16_t)best_in;
+      }
+      __syncthreads();
+      float* t = prev;
+      prev = cur;
+      cur = t;
+    }
+    return prev;
+  };
+
+  // The lowest-index edge of least cost, in every thread.
+  auto argmin = [&](const float* cost) -> int {
+    float best = INFINITY;
+    int best_i = 1 << 30;
+    for (int e = threadIdx.x; e < edges; e += blockDim.x)
+      if (enc_better(cost[e], e, best, best_i)) {
+        best = cost[e];
+        best_i = e;
+      }
+    for (int off = 16; off > 0; off >>= 1) {
+      const float v = __shfl_down_sync(0xffffffffu, best, off);
+      const int i = __shfl_down_sync(0xffffffffu, best_i, off);
+      if (enc_better(v, i, best, best_i)) {
+        best = v;
+        best_i = i;
+      }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) {
+      s_val[warp] = best;
+      s_idx[warp] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < warps; ++w)
+        if (enc_better(s_val[w], s_idx[w], best, best_i)) {
+          best = s_val[w];
+          best_i = s_idx[w];
+        }
+      s_edge = best_i;
+    }
+    __syncthreads();
+    return s_edge;
+  };
+
+  // Walk the backpointers from `edge` at step `last` of a pass from `roll` down to step `first`; returns the edge the
+  // path came from before step `first`, in every thread (and writes the states when asked).
+  auto backtrack = [&](int roll, int edge, int first, int last, bool write) -> int {
+    if (threadIdx.x == 0) {
+      for (int j = last; j >= first; --j) {
+        const int pos = (j + roll) & 255;
+        const int prev = back[(size_t)pos * edges + edge];
+        if (write) states[(size_t)blockIdx.x * 256 + pos] = ((prev << k) | edge) & 0xffff;
+        edge = prev;
+      }
+      s_edge = edge;
+    }
+    __syncthreads();
+    return s_edge;
+  };
+
+  const int end = argmin(forward(128, -1));
+  const int crossing = backtrack(128, end, 128, 255, false);  // steps 128..255 of that pass are positions 0..127
+  forward(0, crossing);
+  backtrack(0, crossing, 0, 255, true);
+}
+
+}  // namespace
+
+extern "C" {
+
+// states[t, 256] (int32, position order) of the tail-biting path of least squared error for tiles x[t, 256] (fp32,
+// position order) against the codebook values `table` (fp32 [65536]); K in 1..8. Scratch: cost fp32
+// [tiles, 2, 2^(16-K)], back uint16 [tiles, 256, 2^(16-K)] (the caller chunks the tiles to bound it).
+int exl3_quantize_tiles(const void* x, const void* table, void* states, void* cost_scratch, void* back_scratch,
+                        int tiles, int k, void* stream) {
+  if (tiles <= 0 || k < 1 || k > 8) return -3;
+  const int threads = (1 << (16 - k)) < kEncThreads ? (1 << (16 - k)) : kEncThreads;
+  quantize_tiles_kernel<<<tiles, threads, 0, (cudaStream_t)stream>>>(
+      (const float*)x, (const float*)table, (int*)states, (float*)cost_scratch, (uint16_t*)back_scratch, k);
+  return (int)cudaGetLastError();
 }
 
 }  // extern "C"
