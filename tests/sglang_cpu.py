@@ -170,7 +170,7 @@ def msrt_base(root: Path, seed: int, bits: int = 3) -> Path:
 
 def small_bf16_llama(directory: Path, seed: int) -> Path:
     """A one-layer BF16 Llama of width 128 (two heads of 64, one KV head): the smallest model whose linears are
-    whole 128-element blocks, for the encoder on the CPU (~30 s per 128x128 module)."""
+    whole 128-element blocks, for the encoder on the CPU (~6 s per 128x128 module)."""
     from sglang_exl3.synth.hf_models import make_random_hf_model
 
     return make_random_hf_model("llama", directory, seed=seed, hidden_size=128, intermediate_size=128,

@@ -1,6 +1,6 @@
 """The online EXL3 encoding cache (runtime/online_cache.py) against the reference's rules (seeds.md F22, the
 test_exl3_online_cache.py list of §6). The cache stores whatever an encoding returns; these tests hand it the
-tensors of a seeded random EXL3 linear (the real encoder takes ~30 s for the smallest 128x128 module on the CPU and
+tensors of a seeded random EXL3 linear (the real encoder takes ~6 s for the smallest 128x128 module on the CPU and
 is tested on its own in test_encode.py)."""
 
 from __future__ import annotations

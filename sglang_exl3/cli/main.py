@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared hidden-side rotations) under a modelopt label, as the reference's R7 checkpoints")
     w.set_defaults(func=_write_fixture)
     e = sub.add_parser("encode", help="rewrite a BF16 / FP16 checkpoint as EXL3 with the uncalibrated trellis "
-                       "encoder (a GPU: minutes; the CPU: small models only)")
+                       "encoder (--device cuda for anything but small models)")
     e.add_argument("checkpoint")
     e.add_argument("out", help="output folder (must not exist or be empty)")
     e.add_argument("--bits", type=int, choices=range(1, 9), default=4)

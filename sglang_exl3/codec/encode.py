@@ -27,29 +27,34 @@ MAX_TILES_PER_CHUNK_BYTES = 256 << 20  # backpointers + step errors of one chunk
 
 
 def _tables(k: int, codebook: Codebook, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [2^K, E] (state = hi << (16-K) | edge) and the in-edge of each such state, [2^K, E]."""
-    kr = 16 - k
-    states = torch.arange(1 << 16, device=device).view(1 << k, 1 << kr)
-    values = codebook_table(codebook, device).float()[states]
-    return values, states >> k
+    """The codebook as [2^K (hi), Q, 2^K (r)] with state = hi << (16-K) | edge and edge = q << K | r (Q = 2^(16-2K)),
+    and each edge's q = edge >> K, [Q, 2^K]. A state's in-edge is (hi << (16-2K)) | q: it does not depend on r, so
+    the predecessor costs broadcast over r (no gather)."""
+    kq = 16 - 2 * k
+    states = torch.arange(1 << 16, device=device).view(1 << k, 1 << kq, 1 << k)
+    q = torch.arange(1 << kq, device=device).view(-1, 1).expand(-1, 1 << k)
+    return codebook_table(codebook, device).float()[states], q
 
 
-def _forward(x: torch.Tensor, order: list[int], values: torch.Tensor, in_edge: torch.Tensor,
+def _forward(x: torch.Tensor, order: list[int], values: torch.Tensor, q: torch.Tensor,
              start: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Cumulative errors [T, E] after the last position of `order`, and backpointers [256, T, E] (the in-edge chosen
     at each position). `start` [T]: the edge every path must come from at the first position."""
-    tiles, edges = x.shape[0], values.shape[1]
-    back = torch.empty(POSITIONS, tiles, edges, dtype=torch.int16, device=x.device)
+    tiles, (hi_count, q_count, r_count) = x.shape[0], values.shape
+    kq = q_count.bit_length() - 1
+    back = torch.empty(POSITIONS, tiles, q_count * r_count, dtype=torch.int16, device=x.device)
+    in_edges = (torch.arange(hi_count, device=x.device).view(-1, 1) << kq) | torch.arange(q_count, device=x.device)
     cost = None
     for i, pos in enumerate(order):
-        err = (values.unsqueeze(0) - x[:, pos].view(-1, 1, 1)).square()  # [T, 2^K, E]
+        err = (values.unsqueeze(0) - x[:, pos].view(-1, 1, 1, 1)).square_()  # [T, 2^K, Q, 2^K]
         if i == 0:
             if start is not None:
-                err = err.masked_fill(in_edge.unsqueeze(0) != start.view(-1, 1, 1), float("inf"))
+                err.masked_fill_((in_edges.unsqueeze(0) != start.view(-1, 1, 1)).unsqueeze(-1), float("inf"))
         else:
-            err = err + cost[:, in_edge]
-        cost, hi = err.min(dim=1)
-        back[pos] = torch.gather(in_edge.expand(tiles, -1, -1), 1, hi.unsqueeze(1)).squeeze(1).to(torch.int16)
+            err += cost.view(tiles, hi_count, q_count, 1)
+        cost, hi = err.min(dim=1)  # [T, Q, 2^K]: the lowest hi among equal errors
+        back[pos] = ((hi << kq) | q).view(tiles, -1).to(torch.int16)
+        cost = cost.view(tiles, -1)
     return cost, back
 
 
@@ -75,18 +80,18 @@ def encode_tiles(x: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG) -> 
     if k not in range(1, 9):
         raise ValueError(f"the encoder takes integer K in 1..8, got {k}")
     x = x.float()
-    values, in_edge = _tables(k, codebook, x.device)
-    edges = values.shape[1]
+    values, q = _tables(k, codebook, x.device)
+    edges = values.shape[1] * values.shape[2]
     chunk = max(1, MAX_TILES_PER_CHUNK_BYTES // (edges * (POSITIONS * 2 + 3 * 4 * (1 << k))))
     rolled = list(range(POSITIONS // 2, POSITIONS)) + list(range(POSITIONS // 2))
     straight = list(range(POSITIONS))
     out = []
     for c0 in range(0, x.shape[0], chunk):
         xc = x[c0:c0 + chunk]
-        cost, back = _forward(xc, rolled, values, in_edge, None)
+        cost, back = _forward(xc, rolled, values, q, None)
         # the edge crossing into position 0 on the best first-pass path: walk back from its end to position 0
         _, crossing = _backtrack(back, rolled[POSITIONS // 2:], cost.argmin(dim=1), k)
-        cost, back = _forward(xc, straight, values, in_edge, crossing)
+        cost, back = _forward(xc, straight, values, q, crossing)
         states, _ = _backtrack(back, straight, crossing, k)
         out.append(states)
     return torch.cat(out).to(torch.int32)

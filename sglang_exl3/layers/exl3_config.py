@@ -231,19 +231,24 @@ class Exl3Config(QuantizationConfig):
             return self._moe_method(layer, prefix)
         return None
 
-    def _online_method(self, prefix: str):
-        """A BF16 checkpoint under SGLANG_EXL3_ONLINE_BITS: the decoder's linears (not routers) whose prefix matches
-        SGLANG_EXL3_ONLINE_MODULES are encoded at load (layers/online_linear.py); the rest stay BF16."""
+    def _online_method(self, prefix: str, moe: bool = False):
+        """A BF16 checkpoint under SGLANG_EXL3_ONLINE_BITS: the decoder's linears (not routers) and routed experts
+        whose prefix matches SGLANG_EXL3_ONLINE_MODULES are encoded at load (layers/online_linear.py,
+        online_moe.py); the rest stay BF16."""
         from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod, OnlineProgress
 
         pattern = knobs.get("ONLINE_MODULES")
         decoder = _ONLINE_DEFAULT.search(prefix) and not _ROUTER.search(prefix)
-        if decoder and (pattern is None or re.search(pattern, prefix)):
-            self.online_claimed.append(prefix)
-            self.online_progress = getattr(self, "online_progress", None) or OnlineProgress()
-            self.online_progress.total += 1
-            return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress)
-        return UnquantizedLinearMethod()
+        if not (decoder and (pattern is None or re.search(pattern, prefix))):
+            return None if moe else UnquantizedLinearMethod()
+        self.online_claimed.append(prefix)
+        self.online_progress = getattr(self, "online_progress", None) or OnlineProgress()
+        self.online_progress.total += 1
+        if moe:
+            from sglang_exl3.layers.online_moe import Exl3OnlineMoEMethod
+
+            return Exl3OnlineMoEMethod(prefix, self.online_bits, self, self.online_progress)
+        return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress)
 
     def check_online_claimed(self) -> None:
         """After loading: SGLANG_EXL3_ONLINE_MODULES must have matched a linear (a typo must not serve BF16)."""
@@ -257,6 +262,8 @@ class Exl3Config(QuantizationConfig):
         from sglang_exl3.layers.moe import Exl3MoEMethod
 
         n = getattr(layer, "num_experts", None)
+        if self.checkpoint is None and self.online_bits and n is not None:
+            return self._online_method(prefix, moe=True)
         if self.checkpoint is None or n is None:
             return None
         layer_id = _LAYER_ID.search(f".{prefix}.")

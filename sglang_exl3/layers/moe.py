@@ -123,6 +123,14 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             shards = {role: self._build(layer, local[local_e], role, cut, device) for role in ROLES}
             prepare_for_backend(shards.values(), backend)
             experts.append(shards)
+        self._install(layer, experts, device, backend)
+        del layer.exl3_moe_loaded
+        for group in GROUPS:
+            release_placeholders(layer, device, group)
+
+    def _install(self, layer: torch.nn.Module, experts: list[dict[str, Exl3Shard]], device, backend) -> None:
+        """The layer's experts, ready to serve: tiers and banks for our kernels, the model's slab, a resident
+        cartridge slot where asked for (all before SGLang sizes the KV cache)."""
         layer.exl3_experts = experts
         layer.exl3_backend = int(backend)
         layer.exl3_tiers = build_tiers(experts, backend)
@@ -131,10 +139,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if self.base_digest is not None and layer.exl3_role == "target" and knobs.get("CARTRIDGES") == "resident":
             from sglang_exl3.layers.cartridge import base_cartridge
 
-            layer.exl3_cartridge = base_cartridge(layer, self.prefix)  # before SGLang sizes the KV cache
-        del layer.exl3_moe_loaded
-        for group in GROUPS:
-            release_placeholders(layer, device, group)
+            layer.exl3_cartridge = base_cartridge(layer, self.prefix)
 
     def _attach_plan(self, layer: torch.nn.Module) -> None:
         """The model's dispatch plan (one per config scope and role; knob errors surface here, at load)."""

@@ -59,6 +59,11 @@ class OnlineProgress:
         self.total = self.done = self.hits = 0
         self.started: float | None = None
 
+    def begin(self) -> None:
+        import time
+
+        self.started = self.started or time.monotonic()
+
     def step(self, hit: bool) -> None:
         import time
 
@@ -70,6 +75,21 @@ class OnlineProgress:
         left = max(self.total - self.done, 0) * rate if encoded else 0.0
         logger.info("EXL3 online: %d/%d linears (%d from the cache), %.0f s so far, ~%.0f s left", self.done,
                     self.total, self.hits, now - self.started, left)
+
+
+def encode_shard(part: torch.Tensor, module: str, bits: int, world: int, rank: int) -> tuple[Exl3Shard, bool]:
+    """One [out, in] weight (this rank's) as an EXL3 shard on its device, through the cache; (shard, cache hit)."""
+    from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
+
+    n = part.shape[0]
+    key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module, bits=bits,
+                    codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF, tp_world_size=world,
+                    tp_rank=rank, input_size=part.shape[1], output_size=n, source_dtype=str(part.dtype))
+    tensors, how = online_cache().get_or_encode(key, lambda: _encode(part, key))
+    logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, part.shape[1], n, bits, how)
+    device = part.device
+    return Exl3Shard(key=module, trellis=tensors["trellis"].to(device), suh=tensors["suh"].to(device),
+                     svh=tensors["svh"].to(device), codebook=CODEBOOK, out_features=n), how == "hit"
 
 
 class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
@@ -88,28 +108,17 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
             logger.warning("EXL3 online: %s stays %s: its shards %s x %d are not whole %d-element blocks",
                            self.prefix, weight.dtype, sizes, weight.shape[1], BLOCK)
             return super().process_weights_after_loading(layer)
-        from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
-
         world, rank = _tp(layer)
-        if self.progress is not None and self.progress.started is None:
-            import time
-
-            self.progress.started = time.monotonic()
+        if self.progress is not None:
+            self.progress.begin()
         shards, hits, row = [], [], 0
         for i, n in enumerate(sizes):
             part = weight[row:row + n]
             row += n
-            module = f"{self.prefix}[{i}]" if len(sizes) > 1 else self.prefix
-            key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module,
-                            bits=self.bits, codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF,
-                            tp_world_size=world, tp_rank=rank, input_size=part.shape[1], output_size=n,
-                            source_dtype=str(part.dtype))
-            tensors, how = online_cache().get_or_encode(key, lambda p=part, k=key: _encode(p, k))
-            logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, part.shape[1], n, self.bits, how)
-            hits.append(how == "hit")
-            shards.append(Exl3Shard(key=module, trellis=tensors["trellis"].to(weight.device),
-                                    suh=tensors["suh"].to(weight.device), svh=tensors["svh"].to(weight.device),
-                                    codebook=CODEBOOK, out_features=n))
+            shard, hit = encode_shard(part, f"{self.prefix}[{i}]" if len(sizes) > 1 else self.prefix, self.bits,
+                                      world, rank)
+            shards.append(shard)
+            hits.append(hit)
         if self.progress is not None:
             self.progress.step(all(hits))
         backend = resolve_backend(weight.device)
