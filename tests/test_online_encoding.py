@@ -1,8 +1,8 @@
 """Online encoding at load (SGLANG_EXL3_ONLINE_BITS): a BF16 checkpoint served with --quantization exl3 through
 SGLang's own model class and loader. The selected linear runs the EXL3 forward on its encoded weights (within the
 4-bit trellis distortion of the BF16 product), its BF16 weight is freed, and a second load reads the cache instead of
-encoding; a fused shard that is not whole 128-element blocks stays BF16; a module pattern that selects nothing stops
-the load. (One 128x128 module: ~6 s of encoding on the CPU.)"""
+encoding; fused shards that are not whole 128-element blocks are zero-padded; routed experts are encoded into the EXL3
+MoE method; a module pattern that selects nothing stops the load. (One 128x128 module: ~6 s of encoding on the CPU.)"""
 
 from __future__ import annotations
 
@@ -59,15 +59,20 @@ def test_a_selected_linear_is_encoded_then_read_from_the_cache(source, online, c
     assert torch.equal(_o_proj(again).quant_method.apply(_o_proj(again), x), got)
 
 
-def test_shards_that_are_not_whole_blocks_stay_unencoded(source, online, caplog):
-    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"qkv_proj$")  # q 128, k 64, v 64 rows
+def test_shards_that_are_not_whole_blocks_are_padded(source, online):
+    """q / k / v of 128 / 64 / 64 rows: k and v are zero-padded to 128 before encoding, their outputs trimmed."""
+    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"qkv_proj$")
     sglang_runtime()
-    caplog.set_level(logging.WARNING, logger="sglang_exl3.layers.online_linear")
     model, _ = load_as_server(source, quantization="exl3")
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert not getattr(qkv, "exl3_online", False) and qkv.weight.numel() > 0
-    assert "qkv_proj stays torch.float32: its shards [128, 64, 64] x 128 are not whole 128-element blocks" in \
-        caplog.text  # the CPU builds the layers in fp32 (a server in the checkpoint's bf16)
+    assert qkv.exl3_online and [s.out_features for s in qkv.exl3_shards] == [128, 64, 64]
+    assert [tuple(s.trellis.shape[:2]) for s in qkv.exl3_shards] == [(8, 8)] * 3
+    w = load_file(str(source / "model.safetensors"))
+    weight = torch.cat([w[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
+    got = qkv.quant_method.apply(qkv, x).float()
+    want = x @ weight.float().t()
+    assert got.shape == (4, 256) and float((got - want).norm() / want.norm()) < 0.09
 
 
 def test_a_pattern_that_selects_nothing_stops_the_load(source, online):

@@ -8,7 +8,9 @@ the SHA-256 of the shard's own weight bytes, so an entry can only ever be reused
 happens to the files on disk; the key adds the encoder's source digest, the module, bitrate, codebook, seed, TP
 world size and rank, shapes and dtype.
 
-A shard whose rows or columns are not whole 128-element blocks stays BF16 (the whole layer then does, logged).
+A shard whose rows or columns are not whole 128-element blocks is zero-padded to them before encoding, as exllamav3
+pads (the input is padded and the output trimmed at run time, as for a checkpoint's padded modules); padded shards run
+one GEMM each rather than one group launch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def online_cache():
 
     root = knobs.get("ONLINE_CACHE_DIR") or Path.home() / ".cache" / "sglang_exl3" / "online"
     return OnlineCache(root, resolve_mode(knobs.get("ONLINE_CACHE")))
+
+
+def _pad(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
 
 
 def weight_digest(w: torch.Tensor) -> str:
@@ -81,12 +87,12 @@ def encode_shard(part: torch.Tensor, module: str, bits: int, world: int, rank: i
     """One [out, in] weight (this rank's) as an EXL3 shard on its device, through the cache; (shard, cache hit)."""
     from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
 
-    n = part.shape[0]
+    n, k = part.shape
     key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module, bits=bits,
                     codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF, tp_world_size=world,
-                    tp_rank=rank, input_size=part.shape[1], output_size=n, source_dtype=str(part.dtype))
+                    tp_rank=rank, input_size=_pad(k), output_size=_pad(n), source_dtype=str(part.dtype))
     tensors, how = online_cache().get_or_encode(key, lambda: _encode(part, key))
-    logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, part.shape[1], n, bits, how)
+    logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, k, n, bits, how)
     device = part.device
     return Exl3Shard(key=module, trellis=tensors["trellis"].to(device), suh=tensors["suh"].to(device),
                      svh=tensors["svh"].to(device), codebook=CODEBOOK, out_features=n), how == "hit"
@@ -104,10 +110,6 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
         sizes = list(getattr(layer, "output_partition_sizes", None) or [weight.shape[0]])
         if sum(sizes) != weight.shape[0]:
             sizes = [weight.shape[0]]
-        if weight.shape[1] % BLOCK or any(n % BLOCK for n in sizes):
-            logger.warning("EXL3 online: %s stays %s: its shards %s x %d are not whole %d-element blocks",
-                           self.prefix, weight.dtype, sizes, weight.shape[1], BLOCK)
-            return super().process_weights_after_loading(layer)
         world, rank = _tp(layer)
         if self.progress is not None:
             self.progress.begin()
@@ -142,5 +144,7 @@ def _encode(part: torch.Tensor, key: dict) -> tuple[dict[str, torch.Tensor], flo
     encoder = None
     if part.is_cuda and resolve_backend(part.device) == Backend.CUDA:
         from sglang_exl3.kernels.cuda_encode import encode_tiles_cuda as encoder
-    enc = encode_weight(part.float().t().contiguous(), key["bits"], CODEBOOK, seed=key["seed"], encoder=encoder)
+    w = torch.zeros(key["input_size"], key["output_size"], dtype=torch.float32, device=part.device)
+    w[:part.shape[1], :part.shape[0]] = part.float().t()  # zero-padded to whole blocks, as exllamav3 pads
+    enc = encode_weight(w, key["bits"], CODEBOOK, seed=key["seed"], encoder=encoder)
     return {"trellis": enc["trellis"], "suh": enc["suh"], "svh": enc["svh"]}, enc["proxy_error"]
