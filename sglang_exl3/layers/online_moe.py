@@ -24,7 +24,8 @@ class Exl3OnlineMoEMethod(Exl3MoEMethod):
     def __init__(self, prefix: str, bits: int, config, progress: OnlineProgress | None = None):
         super().__init__({}, prefix, config)
         self.bits, self.progress = bits, progress
-        self.bf16 = UnquantizedFusedMoEMethod()
+        self.bf16 = UnquantizedFusedMoEMethod()  # the weights' loaders, and the forward of a layer left unencoded
+        self.encoded = False
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra) -> None:
@@ -40,7 +41,6 @@ class Exl3OnlineMoEMethod(Exl3MoEMethod):
         if inter % BLOCK or hidden % BLOCK:
             logger.warning("EXL3 online: %s stays %s: expert width %d / hidden size %d are not whole %d-element "
                            "blocks", self.prefix, layer.w13_weight.dtype, inter, hidden, BLOCK)
-            self.encoded = False
             return self.bf16.process_weights_after_loading(layer)
         self._attach_plan(layer)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data  # [E, 2I, H], [E, H, I]
