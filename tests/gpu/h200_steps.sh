@@ -27,6 +27,8 @@
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
 #                                         concurrency 64 with aborted streams and over-context prompts ($LOAD_ARGS)
+# encode                                  benchmarks/encode.py: encoder speed; online vs exllamav3's calibrated 4 bpw on
+#                                         the spec-train target (after spec-train and spec-convert; $ENCODE_ARGS)
 # cartridges                              benchmarks/cartridges.py: cartridges loaded / deactivated under SGLang's load
 #                                         generator with injected faults, per SGLANG_EXL3_CARTRIDGES mode ($CART_ARGS)
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
@@ -222,6 +224,14 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     timeout "${LOAD_TIMEOUT:-540}" python3 benchmarks/load.py --workdir /tmp/load ${LOAD_ARGS:-} 2>&1 |
       tee "$work/load.txt" | grep -v "^ROW" | tail -20
     cp benchmarks/results/load-h200.* /tmp/load/*.log "$work/" 2>/dev/null
+    ;;
+  encode)  # benchmarks/encode.py: encoder tiles/s, a Llama-3-8B layer, and online vs exllamav3's calibrated 4 bpw on
+    # the spec-train target (needs spec-train and spec-convert on the same machine; $ENCODE_ARGS)
+    site_env
+    timeout "${ENCODE_TIMEOUT:-540}" python3 benchmarks/encode.py --bf16 /tmp/specmodels/target \
+      --offline /tmp/specmodels/target-exl3 --texts /tmp/spectexts ${ENCODE_ARGS:-} 2>&1 | tee "$work/encode.txt" |
+      tail -20
+    cp benchmarks/results/encode-h200.* "$work/" 2>/dev/null
     ;;
   cartridges)  # benchmarks/cartridges.py: expert cartridges swapped under load with faults ($CART_ARGS, e.g. --modes)
     site_env
