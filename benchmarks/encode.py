@@ -135,23 +135,29 @@ def _params(model_dir: Path) -> int:
     return total
 
 
+OPTIONS = (
+    ("--bf16", {"help": "the BF16 model (the spec-train target)"}),
+    ("--offline", {"help": "exllamav3's calibrated conversion of the same model"}),
+    ("--texts", {"help": "the spec corpus (held-out plays and modules)"}),
+    ("--bits", {"type": int, "default": 4}),
+    ("--windows", {"type": int, "default": 16, "help": "held-out windows of the spec recipe's length"}),
+    ("--skip-rates", {"action": "store_true"}),
+    ("--workdir", {"default": "/tmp/encode"}),
+)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bf16", help="the BF16 model (the spec-train target)")
-    ap.add_argument("--offline", help="exllamav3's calibrated conversion of the same model")
-    ap.add_argument("--texts", help="the spec corpus (held-out plays and modules)")
-    ap.add_argument("--bits", type=int, default=4)
-    ap.add_argument("--windows", type=int, default=16, help="held-out windows of the spec recipe's length")
-    ap.add_argument("--skip-rates", action="store_true")
-    ap.add_argument("--workdir", default="/tmp/encode")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, spec in OPTIONS:
+        parser.add_argument(flag, **spec)
+    args = parser.parse_args()
     work = gpu_workdir("benchmarks/encode.py", args.workdir)
     if work is None:
         return 2
-    head = header(sys.argv)
     rows = [] if args.skip_rates else tile_rates()
     rows.append(llama3_8b_layer(args.bits))
     print("ROW " + json.dumps(rows[-1]), flush=True)
+    head = header(sys.argv)
     write_results("encode", head, rows, COLUMNS)
     if args.bf16 and args.offline and args.texts:
         rows.append(model_row(args, work))

@@ -110,6 +110,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_ONLINE_TRELLIS_BITS", maximum=8),
     Knob("ONLINE_MODULES", None, "regex", help="online encoding: only the linears whose SGLang prefix matches this "
          "regex (unset: every decoder linear); a regex that matches nothing stops the load"),
+    Knob("ONLINE_FP8", None, "regex", help="serve the decoder linears of a BF16 / FP16 checkpoint whose SGLang prefix "
+         "matches this regex with SGLang's FP8 linear method (weights quantized at load; never the lm_head or routers) "
+         "instead of EXL3 or BF16"),
     Knob("ONLINE_CACHE", "readwrite", "choice", ("readwrite", "readonly", "off", "rw", "read-write", "read-only",
                                                  "ro", "none"),
          "online encoding cache: readwrite, readonly (a miss is encoded, never stored) or off",

@@ -115,3 +115,42 @@ def test_routed_experts_are_encoded_into_the_exl3_moe_method(online, tmp_path):
             h = torch.nn.functional.silu(x[m] @ gate.t()) * (x[m] @ up.t())
             want[m] += weights[m, j] * (h @ down.t())
     assert float((got - want).norm() / want.norm()) < 0.15
+
+
+def _linears():
+    from sglang.srt.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    return {"model.layers.0.self_attn.qkv_proj": QKVParallelLinear(128, 64, 2, 1, bias=False),
+            "model.layers.0.self_attn.o_proj": RowParallelLinear(128, 128, bias=False),
+            "model.layers.0.mlp.gate": RowParallelLinear(128, 128, bias=False)}
+
+
+def _methods(monkeypatch, **env) -> dict[str, str]:
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    for name in ("ONLINE_BITS", "ONLINE_MODULES", "ONLINE_FP8"):
+        monkeypatch.delenv(f"SGLANG_EXL3_{name}", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(f"SGLANG_EXL3_{name}", value)
+    sglang_runtime()
+    cfg = Exl3Config()
+    return {p: type(cfg.get_quant_method(layer, p)).__name__ for p, layer in _linears().items()}
+
+
+def test_fp8_overlay_and_exl3_split_the_linears(monkeypatch):
+    """SGLANG_EXL3_ONLINE_FP8 takes its linears to SGLang's FP8 method, ONLINE_BITS the rest to EXL3; routers stay
+    BF16 whatever the patterns say."""
+    got = _methods(monkeypatch, ONLINE_BITS="4", ONLINE_FP8=r"o_proj$", ONLINE_MODULES=r".")
+    assert got == {"model.layers.0.self_attn.qkv_proj": "Exl3OnlineLinearMethod",
+                   "model.layers.0.self_attn.o_proj": "Fp8LinearMethod",
+                   "model.layers.0.mlp.gate": "UnquantizedLinearMethod"}
+    assert _methods(monkeypatch, ONLINE_FP8=r"o_proj$")["model.layers.0.self_attn.qkv_proj"] == \
+        "UnquantizedLinearMethod"  # FP8 alone: the rest stays BF16
+
+
+def test_a_pattern_that_splits_a_fused_module_is_refused(monkeypatch):
+    assert _methods(monkeypatch, ONLINE_BITS="4", ONLINE_MODULES=r"\.(q|k|v)_proj$")[
+        "model.layers.0.self_attn.qkv_proj"] == "Exl3OnlineLinearMethod"  # all the fused parts: selected
+    with pytest.raises(ValueError, match=r"SGLANG_EXL3_ONLINE_MODULES='q_proj\$' selects \['model.layers.0.self_attn"
+                                         r".q_proj'\] but not .*k_proj.*v_proj.* one quantization scheme"):
+        _methods(monkeypatch, ONLINE_BITS="4", ONLINE_MODULES=r"q_proj$")

@@ -66,6 +66,7 @@ class Exl3Config(QuantizationConfig):
         self.nextn_layer: int | None = None  # the checkpoint layer a NextN draft builds as `model.decoder`
         self._checked_claims = False
         self.online_bits = knobs.get("ONLINE_BITS") if checkpoint is None else None  # BF16 encoded at load
+        self.online = checkpoint is None and bool(self.online_bits or knobs.get("ONLINE_FP8"))
         self.online_claimed: list[str] = []
 
     def __repr__(self) -> str:
@@ -215,7 +216,7 @@ class Exl3Config(QuantizationConfig):
                 return Exl3EmbeddingMethod(int(bits), prefix)
             return None
         if isinstance(layer, LinearBase):
-            if self.checkpoint is None and self.online_bits:
+            if self.online:
                 return self._online_method(prefix)
             records = self._source_records(prefix)
             found = {sid: r for sid, r in records.items() if r is not None}
@@ -232,14 +233,23 @@ class Exl3Config(QuantizationConfig):
         return None
 
     def _online_method(self, prefix: str, moe: bool = False):
-        """A BF16 checkpoint under SGLANG_EXL3_ONLINE_BITS: the decoder's linears (not routers) and routed experts
-        whose prefix matches SGLANG_EXL3_ONLINE_MODULES are encoded at load (layers/online_linear.py,
-        online_moe.py); the rest stay BF16."""
+        """A BF16 checkpoint under --quantization exl3 with online knobs: the decoder's linears (never routers or the
+        lm_head) whose prefix matches SGLANG_EXL3_ONLINE_FP8 run SGLang's FP8 (weights quantized at load); the
+        linears and routed experts matching SGLANG_EXL3_ONLINE_MODULES (default: all) are encoded to EXL3 when
+        SGLANG_EXL3_ONLINE_BITS is set (layers/online_linear.py, online_moe.py); the rest stay BF16."""
         from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod, OnlineProgress
 
-        pattern = knobs.get("ONLINE_MODULES")
         decoder = _ONLINE_DEFAULT.search(prefix) and not _ROUTER.search(prefix)
-        if not (decoder and (pattern is None or re.search(pattern, prefix))):
+        fp8 = knobs.get("ONLINE_FP8")
+        if decoder and not moe and fp8 is not None and self._selects(fp8, prefix, "SGLANG_EXL3_ONLINE_FP8"):
+            from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+
+            self.online_claimed.append(prefix)
+            return Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=False,
+                                             packed_modules_mapping=self.packed_modules_mapping))
+        pattern = knobs.get("ONLINE_MODULES")
+        if not (decoder and self.online_bits
+                and (pattern is None or self._selects(pattern, prefix, "SGLANG_EXL3_ONLINE_MODULES"))):
             return None if moe else UnquantizedLinearMethod()
         self.online_claimed.append(prefix)
         self.online_progress = getattr(self, "online_progress", None) or OnlineProgress()
@@ -250,19 +260,34 @@ class Exl3Config(QuantizationConfig):
             return Exl3OnlineMoEMethod(prefix, self.online_bits, self, self.online_progress)
         return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress)
 
+    def _selects(self, pattern: str, prefix: str, knob: str) -> bool:
+        """Whether `pattern` selects the layer at `prefix`: by its own name, or by the names of the checkpoint modules
+        fused into it (q_proj / k_proj / v_proj in qkv_proj), all of them or none: a fused layer has one scheme."""
+        if re.search(pattern, prefix):
+            return True
+        head, _, last = prefix.rpartition(".")
+        parts = [f"{head}.{src}" if head else src for src in self.packed_modules_mapping.get(last, ())]
+        matched = [p for p in parts if re.search(pattern, p)]
+        if matched and len(matched) != len(parts):
+            raise ValueError(f"{knob}={pattern!r} selects {matched} but not {sorted(set(parts) - set(matched))}, which "
+                             f"SGLang fuses into {prefix}: a fused module runs one quantization scheme; select all "
+                             "of its parts or none")
+        return bool(matched)
+
     def check_online_claimed(self) -> None:
         """After loading: SGLANG_EXL3_ONLINE_MODULES must have matched a linear (a typo must not serve BF16)."""
-        if self.checkpoint is None and self.online_bits and not self.online_claimed:
-            raise ValueError(f"SGLANG_EXL3_ONLINE_BITS={self.online_bits} but no linear of the model was selected "
-                             f"(SGLANG_EXL3_ONLINE_MODULES={knobs.get('ONLINE_MODULES')!r}); fix the pattern or "
-                             "unset SGLANG_EXL3_ONLINE_BITS")
+        if self.checkpoint is None and self.online and not self.online_claimed:
+            raise ValueError(f"online quantization is on (SGLANG_EXL3_ONLINE_BITS={self.online_bits}, "
+                             f"SGLANG_EXL3_ONLINE_FP8={knobs.get('ONLINE_FP8')!r}) but no linear of the model was "
+                             f"selected (SGLANG_EXL3_ONLINE_MODULES={knobs.get('ONLINE_MODULES')!r}); fix the patterns "
+                             "or unset the knobs")
 
     def _moe_method(self, layer: torch.nn.Module, prefix: str):
         """Exl3MoEMethod when the layer's experts are EXL3 in the checkpoint, None when none is."""
         from sglang_exl3.layers.moe import Exl3MoEMethod
 
         n = getattr(layer, "num_experts", None)
-        if self.checkpoint is None and self.online_bits and n is not None:
+        if self.online and n is not None:
             return self._online_method(prefix, moe=True)
         if self.checkpoint is None or n is None:
             return None
