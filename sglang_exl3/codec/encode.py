@@ -146,3 +146,15 @@ def encode_weight(w: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG, se
     proxy = float((values.float() - target).square().mean() / target.var().clamp_min(1e-30))
     return {"trellis": trellis, "suh": (su * scale).to(torch.float16), "svh": sv.to(torch.float16),
             "proxy_error": proxy}
+
+
+def encode_linear(weight: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG, seed: int = 0,
+                  encoder: TilesEncoder | None = None) -> dict[str, torch.Tensor]:
+    """`encode_weight` of a linear's [out, in] weight (the Hugging Face layout), zero-padded to whole 128-element
+    blocks on both sides as exllamav3 pads, on the weight's device: trellis, suh and svh of the padded shape."""
+    from sglang_exl3.format.constants import padded
+
+    out_f, in_f = weight.shape
+    w = torch.zeros(padded(in_f), padded(out_f), dtype=torch.float32, device=weight.device)
+    w[:in_f, :out_f] = weight.float().t()
+    return encode_weight(w, k, codebook, seed, encoder)

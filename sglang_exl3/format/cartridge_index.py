@@ -60,11 +60,25 @@ class CartridgeIndex:
         return {(lb, e, p): t for (lb, lay, e, p, r), t in self.tensors.items() if lay == layer and r == rank}
 
 
-def _scale(info: TensorInfo) -> float:
+def _scale_bytes(scales) -> dict[str, bytes]:
+    """The raw bytes of every scale tensor, each shard opened once (a cartridge holds one scale per trellis)."""
+    by_file: dict[Path, list[TensorInfo]] = {}
+    for info in scales:
+        by_file.setdefault(info.file, []).append(info)
+    out = {}
+    for path, infos in by_file.items():
+        with open(path, "rb") as f:
+            for info in sorted(infos, key=lambda i: i.begin):
+                f.seek(info.begin)
+                out[info.name] = f.read(info.nbytes)
+    return out
+
+
+def _scale(info: TensorInfo, raw: bytes) -> float:
     if info.dtype != "F32" or info.shape != ():
         raise CartridgeError(f"{info.file.name}, {info.name}: an MSRT cartridge scale must be a float32 0-d scalar, "
                              f"got {info.dtype} {list(info.shape)}")
-    (value,) = struct.unpack("<f", info.read_bytes())
+    (value,) = struct.unpack("<f", raw)
     try:
         inverse = struct.unpack("<f", struct.pack("<f", 1.0 / value))[0] if value > 0 else math.inf
     except (OverflowError, ZeroDivisionError):
@@ -118,6 +132,7 @@ def index_cartridge(manifest: CartridgeManifest, files: list[Path]) -> Cartridge
         if key not in trellises:
             raise CartridgeError(f"Orphaned MSRT cartridge scale {info.name} ({info.file.name}): no trellis")
     labels = {s.label: s for s in manifest.chain}
+    raw = _scale_bytes(scales.values())
     tensors = {}
     for key, info in trellises.items():
         if key not in scales:
@@ -126,7 +141,7 @@ def index_cartridge(manifest: CartridgeManifest, files: list[Path]) -> Cartridge
         if key[0] not in labels:
             raise CartridgeError(f"MSRT cartridge key {info.name}: stage {key[0]!r} is not in the manifest's chain "
                                  f"{list(labels)}")
-        tensors[key] = StageTensor(info, _scale(scales[key]), _trellis_k(info, labels[key[0]].k))
+        tensors[key] = StageTensor(info, _scale(scales[key], raw[scales[key].name]), _trellis_k(info, labels[key[0]].k))
     _check_coverage(manifest, tensors)
     _check_ranks(manifest, tensors)
     return CartridgeIndex(manifest, tensors)

@@ -11,6 +11,13 @@ MARKER_VALUES = {"mcg": MCG_MULTIPLIER, "mul1": MUL1_MULTIPLIER}
 SIDECAR_NAME = "quantization_config.json"
 CONFIG_NAME = "config.json"
 ALIGN = 128  # EXL3 pads in/out features to multiples of 128 (Hadamard block size)
+
+
+def padded(n: int) -> int:
+    """n rounded up to whole 128-element blocks, as EXL3 stores in and out features."""
+    return -(-n // ALIGN) * ALIGN
+
+
 INTEGER_BITS = range(1, 9)
 HALF_BITS = (1.5, 2.5, 3.5)  # MUL1 only
 

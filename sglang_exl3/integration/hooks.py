@@ -115,7 +115,8 @@ def rank_sliced_weights(original, model, weights, target_device):
     """AROUND `DefaultModelLoader.load_weights_and_postprocess`: for a rank-sliced EXL3 checkpoint, the model sees
     this rank's `.rank{r}` expert slices under their plain per-expert names (shared-H rotations under expert 0's)
     and never the other ranks' tensors -- what the reference implementation's model loaders do before
-    auto-loading. Every other checkpoint passes through untouched."""
+    auto-loading. Every other checkpoint passes through untouched; once it has loaded, a BF16 model under the online
+    knobs must have had some layer selected (`Exl3Config.check_online_claimed`)."""
     config = getattr(model, "quant_config", None)
     if getattr(config, "rank_sliced", None) is None and getattr(config, "r7", None) is None:
         config = active_config()

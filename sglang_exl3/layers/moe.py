@@ -107,11 +107,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self._attach_plan(layer)
         device = layer.w13_trellis.device
         backend = resolve_backend(device)
-        local = {}
-        for global_e in sorted({e for e, _ in self.records}):
-            local_e = layer._map_global_expert_id_to_local_expert_id(global_e)
-            if 0 <= local_e < layer.num_local_experts:
-                local[local_e] = global_e
+        local = local_experts(layer, sorted({e for e, _ in self.records}))
         if sorted(local) != list(range(layer.num_local_experts)):
             raise ValueError(f"EXL3 MoE {self.prefix}: the checkpoint holds experts {sorted(local.values())} for "
                              f"this rank, expected {layer.num_local_experts} local experts")
@@ -260,6 +256,16 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, topk_weights[rows, slot].float()[:, None] * self._expert(layer, e, x16[rows]))
         return out
+
+
+def local_experts(layer: torch.nn.Module, global_ids) -> dict[int, int]:
+    """local expert id -> global id, for the global ids this rank holds (expert parallelism keeps a range)."""
+    local = {}
+    for global_e in global_ids:
+        local_e = layer._map_global_expert_id_to_local_expert_id(global_e)
+        if 0 <= local_e < layer.num_local_experts:
+            local[local_e] = global_e
+    return local
 
 
 def scheduler_token_bound(config=None) -> int:

@@ -25,13 +25,12 @@ import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from sglang_exl3 import knobs
-from sglang_exl3.format.constants import Codebook
+from sglang_exl3.format.constants import Codebook, padded
 from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers.linear import apply_shards, group_shards, prepare_for_backend
 from sglang_exl3.layers.shard import Exl3Shard
 
 logger = logging.getLogger(__name__)
-BLOCK = 128
 CODEBOOK = Codebook.MCG
 
 
@@ -41,10 +40,6 @@ def online_cache():
 
     root = knobs.get("ONLINE_CACHE_DIR") or Path.home() / ".cache" / "sglang_exl3" / "online"
     return OnlineCache(root, resolve_mode(knobs.get("ONLINE_CACHE")))
-
-
-def _pad(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
 
 
 def weight_digest(w: torch.Tensor) -> str:
@@ -90,7 +85,7 @@ def encode_shard(part: torch.Tensor, module: str, bits: int, world: int, rank: i
     n, k = part.shape
     key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module, bits=bits,
                     codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF, tp_world_size=world,
-                    tp_rank=rank, input_size=_pad(k), output_size=_pad(n), source_dtype=str(part.dtype))
+                    tp_rank=rank, input_size=padded(k), output_size=padded(n), source_dtype=str(part.dtype))
     tensors, how = online_cache().get_or_encode(key, lambda: _encode(part, key))
     logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, k, n, bits, how)
     device = part.device
@@ -138,13 +133,11 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
 
 def _encode(part: torch.Tensor, key: dict) -> tuple[dict[str, torch.Tensor], float]:
     """The torch encoder, or on a GPU with our kernels the same search as a CUDA kernel (the same path)."""
-    from sglang_exl3.codec.encode import encode_weight
+    from sglang_exl3.codec.encode import encode_linear
     from sglang_exl3.kernels.backends import Backend
 
     encoder = None
     if part.is_cuda and resolve_backend(part.device) == Backend.CUDA:
         from sglang_exl3.kernels.cuda_encode import encode_tiles_cuda as encoder
-    w = torch.zeros(key["input_size"], key["output_size"], dtype=torch.float32, device=part.device)
-    w[:part.shape[1], :part.shape[0]] = part.float().t()  # zero-padded to whole blocks, as exllamav3 pads
-    enc = encode_weight(w, key["bits"], CODEBOOK, seed=key["seed"], encoder=encoder)
+    enc = encode_linear(part, key["bits"], CODEBOOK, seed=key["seed"], encoder=encoder)
     return {"trellis": enc["trellis"], "suh": enc["suh"], "svh": enc["svh"]}, enc["proxy_error"]

@@ -11,10 +11,11 @@ import logging
 import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
+from sglang_exl3.format.constants import ALIGN
 from sglang_exl3.kernels.backends import resolve_backend
 from sglang_exl3.layers.linear import prepare_for_backend
-from sglang_exl3.layers.moe import Exl3MoEMethod
-from sglang_exl3.layers.online_linear import BLOCK, OnlineProgress, encode_shard
+from sglang_exl3.layers.moe import Exl3MoEMethod, local_experts
+from sglang_exl3.layers.online_linear import OnlineProgress, encode_shard
 
 logger = logging.getLogger(__name__)
 PROJECTIONS = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
@@ -38,18 +39,18 @@ class Exl3OnlineMoEMethod(Exl3MoEMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         inter, hidden = layer.intermediate_size_per_partition, layer.hidden_size
-        if inter % BLOCK or hidden % BLOCK:
+        if inter % ALIGN or hidden % ALIGN:
             logger.warning("EXL3 online: %s stays %s: expert width %d / hidden size %d are not whole %d-element "
-                           "blocks", self.prefix, layer.w13_weight.dtype, inter, hidden, BLOCK)
+                           "blocks", self.prefix, layer.w13_weight.dtype, inter, hidden, ALIGN)
             return self.bf16.process_weights_after_loading(layer)
         self._attach_plan(layer)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data  # [E, 2I, H], [E, H, I]
         world, rank = getattr(layer, "moe_tp_size", 1), getattr(layer, "moe_tp_rank", 0)
         if self.progress is not None:
             self.progress.begin()
-        experts, hits = [], []
+        experts, hits, global_of = [], [], local_experts(layer, range(layer.num_experts))
         for e in range(w13.shape[0]):
-            global_e = self._global_expert(layer, e)
+            global_e = global_of[e]
             parts = {"w1": w13[e, :inter], "w3": w13[e, inter:], "w2": w2[e]}
             shards = {}
             for role, name in PROJECTIONS:
@@ -67,14 +68,6 @@ class Exl3OnlineMoEMethod(Exl3MoEMethod):
             setattr(layer, name, torch.nn.Parameter(torch.empty(0, dtype=w13.dtype, device=w13.device),
                                                     requires_grad=False))
         self.encoded = True
-
-    @staticmethod
-    def _global_expert(layer: torch.nn.Module, local_e: int) -> int:
-        """The checkpoint's expert id of local expert `local_e` (expert parallelism keeps a contiguous range)."""
-        for global_e in range(layer.num_experts):
-            if layer._map_global_expert_id_to_local_expert_id(global_e) == local_e:
-                return global_e
-        return local_e
 
     def apply(self, layer: torch.nn.Module, dispatch_output):
         if not self.encoded:

@@ -12,15 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGN = 128
+from sglang_exl3.format.constants import ALIGN, padded
 
 
 class Exl3SliceError(ValueError):
     pass
-
-
-def _ceil(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class Exl3Slice:
                 f"{what} [{self.start}, {end}) of {self.total} is not 128-aligned; EXL3's Hadamard blocks "
                 "are 128 wide, so every tensor-parallel cut must fall on a multiple of 128. Choose a TP size "
                 "that keeps each shard a multiple of 128 (or expert parallelism for MoE layers)")
-        return self.start, min(packed, _ceil(end))
+        return self.start, min(packed, padded(end))
 
 
 def slice_columns(trellis: torch.Tensor, svh: torch.Tensor, cut: Exl3Slice, name: str):

@@ -194,11 +194,7 @@ class OnlineCache:
                       ) -> tuple[dict[str, torch.Tensor], str]:
         """(tensors, "hit" | "encoded" | "encoded, not published"). `encode()` returns (tensors, proxy error)."""
         if self.mode != "off":
-            try:
-                hit = self.load(key)
-            except OSError as e:
-                logger.warning("online EXL3 cache unreadable (%s): encoding without it", e)
-                hit = None
+            hit = self.load(key)  # an unreadable entry is logged there and encoded again
             if hit is not None:
                 return hit, "hit"
         tensors, proxy_error = _encode_finite(key, encode)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_exl3.format.constants import ALIGN, MARKER_VALUES, SIDECAR_NAME, Codebook
+from sglang_exl3.format.constants import MARKER_VALUES, SIDECAR_NAME, Codebook, padded
 from sglang_exl3.format.shards import ShardPacker, storage_entry
 
 HF_ARCHITECTURES = {
@@ -62,10 +62,6 @@ QWEN3_30B_A3B = ModelDims(hidden_size=2048, intermediate_size=6144, num_hidden_l
                           num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
                           num_experts_per_tok=8, moe_intermediate_size=768)
 SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B)}
-
-
-def _pad(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int = 2) -> dict:
@@ -153,7 +149,7 @@ def random_exl3_linear(
     weight_std: float = 0.02,
 ) -> dict[str, torch.Tensor]:
     """Tensors of one EXL3 linear, in the order exllamav3 stores them (suh, svh, marker, trellis)."""
-    k, n = _pad(in_features), _pad(out_features)
+    k, n = padded(in_features), padded(out_features)
     words = int(bits * 16)
     scale = (weight_std / _CODEBOOK_STD[codebook]) ** 0.5
 
@@ -207,7 +203,7 @@ def write_exl3_checkpoint(
             rate = head_bits if kind == "head" else bits
             parts = random_exl3_linear(shape[0], shape[1], rate, codebook, gen)
             if kind == "exl3_bias":  # padded like the output features, as exllamav3 stores it
-                parts["bias"] = (0.02 * torch.randn(_pad(shape[1]), generator=gen)).half()
+                parts["bias"] = (0.02 * torch.randn(padded(shape[1]), generator=gen)).half()
             tensors = {f"{key}.{s}": t for s, t in parts.items()}
             storage[key] = storage_entry(tensors, rate, codebook)
         else:

@@ -19,17 +19,13 @@ from pathlib import Path
 
 import torch
 
-from sglang_exl3.format.constants import ALIGN, SIDECAR_NAME, Codebook
+from sglang_exl3.format.constants import SIDECAR_NAME, Codebook, padded
 from sglang_exl3.format.safetensors_index import safetensors_files
 from sglang_exl3.format.shards import ShardPacker, storage_entry
 
 LINEARS = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)$")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
           "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-
-
-def _pad(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _load_all(src: Path) -> dict[str, torch.Tensor]:
@@ -44,13 +40,11 @@ def _load_all(src: Path) -> dict[str, torch.Tensor]:
 def encode_module(weight: torch.Tensor, bias: torch.Tensor | None, key: str, bits: int, codebook: Codebook,
                   device: str, encoder=None) -> dict[str, torch.Tensor]:
     """One linear ([out, in] weight, HF layout) as exllamav3 stores it: suh, svh, marker, trellis (+ bias)."""
-    from sglang_exl3.codec.encode import encode_weight
+    from sglang_exl3.codec.encode import encode_linear
     from sglang_exl3.format.constants import MARKER_VALUES
 
-    out_f, in_f = weight.shape
-    w = torch.zeros(_pad(in_f), _pad(out_f), dtype=torch.float32, device=device)
-    w[:in_f, :out_f] = weight.to(device=device, dtype=torch.float32).t()
-    enc = encode_weight(w, bits, codebook, seed=zlib.crc32(key.encode()) & 0x7FFFFFFF, encoder=encoder)
+    enc = encode_linear(weight.to(device), bits, codebook, seed=zlib.crc32(key.encode()) & 0x7FFFFFFF,
+                        encoder=encoder)
     out = {f"{key}.suh": enc["suh"].cpu(), f"{key}.svh": enc["svh"].cpu()}
     if codebook.marker:
         value = MARKER_VALUES[codebook.marker]
@@ -58,9 +52,8 @@ def encode_module(weight: torch.Tensor, bias: torch.Tensor | None, key: str, bit
                                                        dtype=torch.int32)
     out[f"{key}.trellis"] = enc["trellis"].cpu()
     if bias is not None:
-        padded = torch.zeros(_pad(out_f), dtype=torch.float16)
-        padded[:out_f] = bias.half()
-        out[f"{key}.bias"] = padded
+        out[f"{key}.bias"] = torch.zeros(padded(bias.shape[0]), dtype=torch.float16)
+        out[f"{key}.bias"][:bias.shape[0]] = bias.half()
     return out
 
 
