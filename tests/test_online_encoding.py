@@ -75,6 +75,24 @@ def test_shards_that_are_not_whole_blocks_are_padded(source, online):
     assert got.shape == (4, 256) and float((got - want).norm() / want.norm()) < 0.09
 
 
+def test_a_fused_shard_is_encoded_as_the_offline_encoder_encodes_its_module(source, online):
+    """k_proj inside qkv_proj is keyed and seeded by its own checkpoint name, so the online shard equals what
+    `python -m sglang_exl3 encode` writes for model.layers.0.self_attn.k_proj: one model, one encoding."""
+    from sglang_exl3.format.constants import Codebook
+    from sglang_exl3.tools.encode_checkpoint import encode_module
+
+    online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"qkv_proj$")
+    sglang_runtime()
+    model, _ = load_as_server(source, quantization="exl3")
+    shard = model.model.layers[0].self_attn.qkv_proj.exl3_shards[1]
+    key = "model.layers.0.self_attn.k_proj"
+    offline = encode_module(load_file(str(source / "model.safetensors"))[f"{key}.weight"], None, key, 4,
+                            Codebook.MCG, "cpu")
+    assert shard.key == key
+    for name in ("trellis", "suh", "svh"):
+        assert torch.equal(getattr(shard, name).cpu(), offline[f"{key}.{name}"]), name
+
+
 def test_a_pattern_that_selects_nothing_stops_the_load(source, online):
     online.setenv("SGLANG_EXL3_ONLINE_MODULES", r"no_such_module")
     sglang_runtime()

@@ -107,7 +107,7 @@ def encode_trellis(tiles: torch.Tensor, k: int, codebook: Codebook = Codebook.MC
 
     lead = tiles.shape[:-1]
     states = (encoder or encode_tiles)(tiles.reshape(-1, POSITIONS), k, codebook)
-    trellis = pack_trellis(states.cpu(), k).to(tiles.device)
+    trellis = pack_trellis(states, k)
     return trellis.reshape(*lead, -1), decode_states(states, codebook).reshape(*lead, POSITIONS)
 
 

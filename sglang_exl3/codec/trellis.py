@@ -145,20 +145,21 @@ def pack_trellis(states: torch.Tensor, bits: float) -> torch.Tensor:
 
     Position t writes the low D(t) bits of its state to stream bits [S(t)-D(t), S(t)),
     S = cumulative D. Decoding the result gives back `states` whenever they form a consistent
-    tail-biting path (each state's high bits are the previous states' low bits).
+    tail-biting path (each state's high bits are the previous states' low bits). Runs on the states' device (the
+    encoder's GPU: on the CPU this packing cost a third of a layer's encoding time).
     """
     words = words_from_bits(bits)
     widths = _position_bits(words).tolist()
     lead = states.shape[:-1]
     flat = states.reshape(-1, POSITIONS).to(torch.int64) & 0xFFFF
-    stream = torch.zeros(flat.shape[0], words * 16, dtype=torch.int64)
+    stream = torch.zeros(flat.shape[0], words * 16, dtype=torch.int64, device=states.device)
     pos = 0
     for t, width in enumerate(widths):
         sym = flat[:, t] & ((1 << width) - 1)
         for b in range(width):  # MSB of the symbol first
             stream[:, pos + b] = (sym >> (width - 1 - b)) & 1
         pos += width
-    weights = 1 << torch.arange(15, -1, -1)
+    weights = 1 << torch.arange(15, -1, -1, device=states.device)
     u16 = (stream.view(-1, words, 16) * weights).sum(-1)  # stream-order uint16 words
     u16 = u16.view(-1, words // 2, 2).flip(-1).reshape(-1, words)  # swap back to storage order
     return (u16 - ((u16 >> 15) << 16)).to(torch.int16).reshape(*lead, words)

@@ -29,7 +29,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 12
+ABI_VERSION = 13
 FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
 # Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
 # median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
@@ -213,6 +213,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_moe_decode.argtypes = [p, i, p, p, p, p, i, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p,
                                     ctypes.c_longlong, i, p, i, i, p]
     lib.exl3_quantize_tiles.argtypes = [p, p, p, p, p, i, i, p]
+    lib.exl3_quantize_tiles_fast.argtypes = [p, p, p, i, i, i, i, ctypes.POINTER(i), p]
+    lib.exl3_quantize_tiles_fast_scratch.restype = ctypes.c_longlong
+    lib.exl3_quantize_tiles_fast_scratch.argtypes = [i]
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib

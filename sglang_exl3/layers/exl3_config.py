@@ -258,21 +258,26 @@ class Exl3Config(QuantizationConfig):
             from sglang_exl3.layers.online_moe import Exl3OnlineMoEMethod
 
             return Exl3OnlineMoEMethod(prefix, self.online_bits, self, self.online_progress)
-        return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress)
+        return Exl3OnlineLinearMethod(prefix, self.online_bits, self.online_progress, self._part_names(prefix))
 
     def _selects(self, pattern: str, prefix: str, knob: str) -> bool:
         """Whether `pattern` selects the layer at `prefix`: by its own name, or by the names of the checkpoint modules
         fused into it (q_proj / k_proj / v_proj in qkv_proj), all of them or none: a fused layer has one scheme."""
         if re.search(pattern, prefix):
             return True
-        head, _, last = prefix.rpartition(".")
-        parts = [f"{head}.{src}" if head else src for src in self.packed_modules_mapping.get(last, ())]
+        parts = self._part_names(prefix)
         matched = [p for p in parts if re.search(pattern, p)]
         if matched and len(matched) != len(parts):
             raise ValueError(f"{knob}={pattern!r} selects {matched} but not {sorted(set(parts) - set(matched))}, which "
                              f"SGLang fuses into {prefix}: a fused module runs one quantization scheme; select all "
                              "of its parts or none")
         return bool(matched)
+
+    def _part_names(self, prefix: str) -> list[str]:
+        """The checkpoint modules fused into the layer at `prefix` (model.layers.0.self_attn.q_proj, ... for its
+        qkv_proj); empty for a layer that fuses nothing."""
+        head, _, last = prefix.rpartition(".")
+        return [f"{head}.{src}" if head else src for src in self.packed_modules_mapping.get(last, ())]
 
     def check_online_claimed(self) -> None:
         """After loading: SGLANG_EXL3_ONLINE_MODULES must have matched a linear (a typo must not serve BF16)."""

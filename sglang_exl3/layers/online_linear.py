@@ -96,9 +96,14 @@ def encode_shard(part: torch.Tensor, module: str, bits: int, world: int, rank: i
 class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
     """SGLang's BF16 weights and loaders, then the EXL3 forward on this rank's encoded shards."""
 
-    def __init__(self, prefix: str, bits: int, progress: OnlineProgress | None = None):
+    def __init__(self, prefix: str, bits: int, progress: OnlineProgress | None = None,
+                 part_names: list[str] | None = None):
+        """`part_names`: the checkpoint modules SGLang fuses into this layer, in shard order (q, k, v of qkv_proj):
+        each shard is keyed and seeded by its own name, as `python -m sglang_exl3 encode` seeds it, so the online
+        encoding of a model equals its offline one."""
         super().__init__()
         self.prefix, self.bits, self.progress = prefix, bits, progress
+        self.part_names = list(part_names or [])
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weight = layer.weight.data  # [out this rank, in this rank]
@@ -112,8 +117,7 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
         for i, n in enumerate(sizes):
             part = weight[row:row + n]
             row += n
-            shard, hit = encode_shard(part, f"{self.prefix}[{i}]" if len(sizes) > 1 else self.prefix, self.bits,
-                                      world, rank)
+            shard, hit = encode_shard(part, self._shard_name(i, len(sizes)), self.bits, world, rank)
             shards.append(shard)
             hits.append(hit)
         if self.progress is not None:
@@ -124,6 +128,11 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
                                           requires_grad=False)  # the BF16 weight is freed
         layer.exl3_online = True
+
+    def _shard_name(self, i: int, count: int) -> str:
+        if count == 1:
+            return self.prefix
+        return self.part_names[i] if len(self.part_names) == count else f"{self.prefix}[{i}]"
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not getattr(layer, "exl3_online", False):

@@ -81,7 +81,7 @@ run_step() {
   kernels)
     if [ -f .devbundle/a1/site1.tar.xz ]; then tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site; fi
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$work/gpu.txt"
-    PYTHONPATH=$PWD python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
+    PYTHONPATH=$PWD timeout "${KERNELS_TIMEOUT:-400}" python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
       tests/gpu/test_codec_cuda.py tests/gpu/test_encode_cuda.py -s 2>&1 | tee "$work/pytest.txt" | tail -20
     ;;
   site1) tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site && echo "site1 unpacked" ;;

@@ -1503,7 +1503,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 12; }
+int exl3_abi_version(void) { return 13; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
@@ -1637,6 +1637,185 @@ quantize_tiles_kernel(const float* __restrict__ x, const float* __restrict__ tab
   backtrack(0, crossing, 0, 255, true);
 }
 
+// The same search, organised so that it is bound by arithmetic rather than memory (K = 2..8): the codebook values are
+// computed in registers (decode_pair, as the GEMMs decode them) instead of read from a 256 KiB table; the costs live in
+// shared memory; the first pass keeps no backpointers at all but carries, per state, the in-edge its survivor chose at
+// position 0 (the same edge the backtrack of the plain kernel finds); the second pass runs forward once, storing its
+// costs at segment starts (kEncSeg steps apart) into a small per-block scratch, then recomputes the segments last to
+// first with their branch choices (one byte per state) in shared memory and walks them back. Recomputing from a stored
+// cost vector repeats the same fp32 operations, so every choice, and the path, equal the plain kernel's. Blocks are
+// persistent (one per SM), so each block reuses its scratch and it stays in L2.
+template <int K>
+struct EncShape {
+  static constexpr int kr = 16 - K, edges = 1 << kr, his = 1 << K;
+  static constexpr int threads = edges < 512 ? edges : 512;
+  static constexpr int per_thread = edges / threads;
+  static constexpr int hist_bytes = K == 2 ? 64 * 1024 : 128 * 1024;  // a segment's branch bytes, at most
+  static constexpr int seg = hist_bytes / edges < 256 ? hist_bytes / edges : 256;
+  static constexpr int segs = 256 / seg;
+  static constexpr int branch_bytes = seg * edges > 4 * edges ? seg * edges : 4 * edges;  // or pass 1's two tags
+  static constexpr int smem = 2 * edges * 4 + branch_bytes;  // two cost buffers, then the branches
+};
+
+template <int K>
+constexpr long long enc_scratch_floats() {  // per block: one cost vector per segment start
+  return (long long)EncShape<K>::segs * EncShape<K>::edges;
+}
+
+template <int K, int CB>
+__global__ void __launch_bounds__(EncShape<K>::threads, 1)
+quantize_tiles_fast_kernel(const float* __restrict__ x, int* __restrict__ states, float* __restrict__ snaps, int tiles) {
+  using S = EncShape<K>;
+  extern __shared__ __align__(16) unsigned char enc_smem[];
+  float* cost_a = reinterpret_cast<float*>(enc_smem);
+  float* cost_b = cost_a + S::edges;
+  uint8_t* hist = reinterpret_cast<uint8_t*>(cost_b + S::edges);
+  uint16_t* tag_a = reinterpret_cast<uint16_t*>(hist);  // pass 1 only
+  uint16_t* tag_b = tag_a + S::edges;
+  __shared__ float xs[256];
+  __shared__ float r_val[32];
+  __shared__ int r_idx[32];
+  __shared__ int r_edge;
+  float* snap = snaps + (size_t)blockIdx.x * S::segs * S::edges;
+
+  // One trellis step for this thread's out-edges: prev -> cur costs; `branch(e, hi)` sees each choice.
+  auto step = [&](int i, float xv, const float* prev, float* cur, int pre, auto&& branch) {
+    for (int j = 0; j < S::per_thread; ++j) {
+      const int e = threadIdx.x + j * S::threads;
+      float best = 0.f;
+      int best_hi = 0;
+#pragma unroll 8
+      for (int hi = 0; hi < S::his; hi += 2) {
+        const uint32_t pair = decode_pair<CB>((uint32_t)((hi << S::kr) | e), (uint32_t)(((hi + 1) << S::kr) | e));
+        const float2 v = __half22float2(*reinterpret_cast<const half2*>(&pair));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int in_edge = (((hi + h) << S::kr) | e) >> K;
+          float err = enc_err(h ? v.y : v.x, xv);
+          if (i > 0) err = __fadd_rn(err, prev[in_edge]);
+          else if (pre >= 0 && in_edge != pre) err = INFINITY;
+          if ((hi + h) == 0 || err < best) {
+            best = err;
+            best_hi = hi + h;
+          }
+        }
+      }
+      cur[e] = best;
+      branch(e, best_hi);
+    }
+  };
+
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) xs[i] = x[(size_t)tile * 256 + i];
+    __syncthreads();
+
+    // Pass 1 from position 128: the survivor's in-edge at position 0 rides along as a tag.
+    float *prev = cost_a, *cur = cost_b;
+    uint16_t *tprev = tag_a, *tcur = tag_b;
+    for (int i = 0; i < 256; ++i) {
+      step(i, xs[(i + 128) & 255], prev, cur, -1, [&](int e, int hi) {
+        const int in_edge = ((hi << S::kr) | e) >> K;
+        if (i == 128) tcur[e] = (uint16_t)in_edge;
+        else if (i > 128) tcur[e] = tprev[in_edge];
+      });
+      __syncthreads();
+      float* t = prev; prev = cur; cur = t;
+      uint16_t* u = tprev; tprev = tcur; tcur = u;
+    }
+    // The lowest-index edge of least final cost; its tag is the crossing edge.
+    {
+      float best = INFINITY;
+      int best_i = 1 << 30;
+      for (int e = threadIdx.x; e < S::edges; e += S::threads)
+        if (enc_better(prev[e], e, best, best_i)) { best = prev[e]; best_i = e; }
+      for (int off = 16; off > 0; off >>= 1) {
+        const float v = __shfl_down_sync(0xffffffffu, best, off);
+        const int j = __shfl_down_sync(0xffffffffu, best_i, off);
+        if (enc_better(v, j, best, best_i)) { best = v; best_i = j; }
+      }
+      const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+      if (lane == 0) { r_val[warp] = best; r_idx[warp] = best_i; }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        for (int w = 1; w < (S::threads + 31) / 32; ++w)
+          if (enc_better(r_val[w], r_idx[w], best, best_i)) { best = r_val[w]; best_i = r_idx[w]; }
+        r_edge = tprev[best_i];
+      }
+      __syncthreads();
+    }
+    const int crossing = r_edge;
+
+    // Pass 2 from position 0, every path leaving the crossing edge: forward to the last segment, storing the costs at
+    // each segment start, then the segments last to first.
+    prev = cost_a; cur = cost_b;
+    for (int i = 0; i < (S::segs - 1) * S::seg; ++i) {
+      step(i, xs[i], prev, cur, crossing, [](int, int) {});
+      __syncthreads();
+      float* t = prev; prev = cur; cur = t;
+      if ((i + 1) % S::seg == 0)
+        for (int e = threadIdx.x; e < S::edges; e += S::threads) snap[((i + 1) / S::seg) * S::edges + e] = prev[e];
+    }
+    int edge = crossing;  // the path ends on the edge it started from
+    for (int sgi = S::segs - 1; sgi >= 0; --sgi) {
+      prev = cost_a; cur = cost_b;
+      if (sgi > 0) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < S::edges; e += S::threads) prev[e] = snap[sgi * S::edges + e];
+        __syncthreads();
+      }
+      const int i0 = sgi * S::seg;
+      for (int i = i0; i < i0 + S::seg; ++i) {
+        uint8_t* row = hist + (size_t)(i - i0) * S::edges;
+        step(i, xs[i], prev, cur, crossing, [&](int e, int hi) { row[e] = (uint8_t)hi; });
+        __syncthreads();
+        float* t = prev; prev = cur; cur = t;
+      }
+      if (threadIdx.x == 0)
+        for (int i = i0 + S::seg - 1; i >= i0; --i) {
+          const int state = (hist[(size_t)(i - i0) * S::edges + edge] << S::kr) | edge;
+          states[(size_t)tile * 256 + i] = state;
+          edge = state >> K;
+        }
+      __syncthreads();
+    }
+  }
+}
+
+// tiles > 0: launch on at most `blocks` persistent blocks; tiles == 0: store in *blocks how many are resident at
+// once on this device (the scratch the caller allocates).
+template <int K, int CB>
+int launch_quantize_fast(const float* x, int* states, float* snaps, int tiles, int* blocks, cudaStream_t stream) {
+  using S = EncShape<K>;
+  auto kernel = quantize_tiles_fast_kernel<K, CB>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem);
+  if (err != cudaSuccess) return (int)err;
+  if (tiles == 0) {
+    int device = 0, sms = 0, per_sm = 0;
+    if ((err = cudaGetDevice(&device)) != cudaSuccess) return (int)err;
+    if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, S::threads, S::smem);
+    if (err != cudaSuccess) return (int)err;
+    *blocks = sms * (per_sm > 0 ? per_sm : 1);
+    return 0;
+  }
+  kernel<<<tiles < *blocks ? tiles : *blocks, S::threads, S::smem, stream>>>(x, states, snaps, tiles);
+  return (int)cudaGetLastError();
+}
+
+template <int CB>
+int quantize_fast_cb(const float* x, int* states, float* snaps, int tiles, int k, int* blocks, cudaStream_t stream) {
+  switch (k) {
+    case 2: return launch_quantize_fast<2, CB>(x, states, snaps, tiles, blocks, stream);
+    case 3: return launch_quantize_fast<3, CB>(x, states, snaps, tiles, blocks, stream);
+    case 4: return launch_quantize_fast<4, CB>(x, states, snaps, tiles, blocks, stream);
+    case 5: return launch_quantize_fast<5, CB>(x, states, snaps, tiles, blocks, stream);
+    case 6: return launch_quantize_fast<6, CB>(x, states, snaps, tiles, blocks, stream);
+    case 7: return launch_quantize_fast<7, CB>(x, states, snaps, tiles, blocks, stream);
+    case 8: return launch_quantize_fast<8, CB>(x, states, snaps, tiles, blocks, stream);
+    default: return -3;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1651,6 +1830,35 @@ int exl3_quantize_tiles(const void* x, const void* table, void* states, void* co
   quantize_tiles_kernel<<<tiles, threads, 0, (cudaStream_t)stream>>>(
       (const float*)x, (const float*)table, (int*)states, (float*)cost_scratch, (uint16_t*)back_scratch, k);
   return (int)cudaGetLastError();
+}
+
+// The same states as exl3_quantize_tiles for K in 2..8, computed by quantize_tiles_fast_kernel with codebook `cb`
+// (0 3INST, 1 MCG, 2 MUL1) on at most `blocks` persistent blocks; snaps: fp32 scratch of
+// exl3_quantize_tiles_fast_scratch(k) floats per block. tiles == 0 asks instead: *blocks_out = the blocks resident at
+// once on the current device.
+int exl3_quantize_tiles_fast(const void* x, void* states, void* snaps, int tiles, int k, int cb, int blocks,
+                             int* blocks_out, void* stream) {
+  if (tiles < 0 || k < 2 || k > 8 || cb < 0 || cb > 2 || (tiles > 0 && blocks <= 0)) return -3;
+  int* b = tiles == 0 ? blocks_out : &blocks;
+  if (b == nullptr) return -3;
+  const float* xf = (const float*)x;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (cb == 0) return quantize_fast_cb<0>(xf, (int*)states, (float*)snaps, tiles, k, b, s);
+  if (cb == 1) return quantize_fast_cb<1>(xf, (int*)states, (float*)snaps, tiles, k, b, s);
+  return quantize_fast_cb<2>(xf, (int*)states, (float*)snaps, tiles, k, b, s);
+}
+
+long long exl3_quantize_tiles_fast_scratch(int k) {
+  switch (k) {
+    case 2: return enc_scratch_floats<2>();
+    case 3: return enc_scratch_floats<3>();
+    case 4: return enc_scratch_floats<4>();
+    case 5: return enc_scratch_floats<5>();
+    case 6: return enc_scratch_floats<6>();
+    case 7: return enc_scratch_floats<7>();
+    case 8: return enc_scratch_floats<8>();
+    default: return -3;
+  }
 }
 
 }  // extern "C"
