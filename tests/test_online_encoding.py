@@ -166,6 +166,27 @@ def test_fp8_overlay_and_exl3_split_the_linears(monkeypatch):
         "UnquantizedLinearMethod"  # FP8 alone: the rest stays BF16
 
 
+def test_an_fp8_linear_whose_sizes_fp8_gemms_cannot_take_falls_back(monkeypatch, caplog):
+    """FP8 GEMMs take multiples of 16: a 120-wide down_proj selected for FP8 goes to EXL3 when online encoding
+    selects it (EXL3 pads any shape), else stays BF16; either way a warning names the layer and its size."""
+    from sglang.srt.layers.linear import RowParallelLinear
+
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    prefix = "model.layers.0.mlp.down_proj"
+    caplog.set_level(logging.WARNING, logger="sglang_exl3.layers.exl3_config")
+    for env, want in (({"ONLINE_FP8": "proj"}, "UnquantizedLinearMethod"),
+                      ({"ONLINE_FP8": "proj", "ONLINE_BITS": "4"}, "Exl3OnlineLinearMethod")):
+        _methods(monkeypatch, **env)
+        method = Exl3Config().get_quant_method(RowParallelLinear(120, 128, bias=False), prefix)
+        assert type(method).__name__ == want
+        assert f"selects {prefix}, but FP8 GEMMs need whole multiples of 16 and its input size 120 per rank" \
+            in caplog.text
+    _methods(monkeypatch, ONLINE_FP8="proj")
+    assert type(Exl3Config().get_quant_method(RowParallelLinear(128, 128, bias=False), prefix)).__name__ == \
+        "Fp8LinearMethod"
+
+
 def test_a_pattern_that_splits_a_fused_module_is_refused(monkeypatch):
     assert _methods(monkeypatch, ONLINE_BITS="4", ONLINE_MODULES=r"\.(q|k|v)_proj$")[
         "model.layers.0.self_attn.qkv_proj"] == "Exl3OnlineLinearMethod"  # all the fused parts: selected

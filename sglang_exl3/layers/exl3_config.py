@@ -36,6 +36,7 @@ _QKV_IDS = ("q", "k", "v")
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 _LAYER_ID = re.compile(r"\.layers\.(\d+)\.")
 _ONLINE_DEFAULT = re.compile(r"(^|\.)layers\.\d+\.")  # online encoding: the decoder layers' linears
+_FP8_ALIGN = 16  # SGLang's per-tensor FP8 linear: K and N in multiples of this
 _ROUTER = re.compile(r"\.(gate|shared_expert_gate)$")  # ... except MoE routers, which stay BF16 as exllamav3 keeps them
 
 
@@ -217,7 +218,7 @@ class Exl3Config(QuantizationConfig):
             return None
         if isinstance(layer, LinearBase):
             if self.online:
-                return self._online_method(prefix)
+                return self._online_method(prefix, layer)
             records = self._source_records(prefix)
             found = {sid: r for sid, r in records.items() if r is not None}
             if not found:
@@ -232,21 +233,27 @@ class Exl3Config(QuantizationConfig):
             return self._moe_method(layer, prefix)
         return None
 
-    def _online_method(self, prefix: str, moe: bool = False):
+    def _online_method(self, prefix: str, layer: torch.nn.Module, moe: bool = False):
         """A BF16 checkpoint under --quantization exl3 with online knobs: the decoder's linears (never routers or the
-        lm_head) whose prefix matches SGLANG_EXL3_ONLINE_FP8 run SGLang's FP8 (weights quantized at load); the
-        linears and routed experts matching SGLANG_EXL3_ONLINE_MODULES (default: all) are encoded to EXL3 when
-        SGLANG_EXL3_ONLINE_BITS is set (layers/online_linear.py, online_moe.py); the rest stay BF16."""
+        lm_head) whose prefix matches SGLANG_EXL3_ONLINE_FP8 run SGLang's FP8 (weights quantized at load) where
+        their per-rank sizes suit its GEMMs; the linears and routed experts matching SGLANG_EXL3_ONLINE_MODULES
+        (default: all) are encoded to EXL3 when SGLANG_EXL3_ONLINE_BITS is set (layers/online_linear.py,
+        online_moe.py; any size: shards are padded); the rest stay BF16."""
         from sglang_exl3.layers.online_linear import Exl3OnlineLinearMethod, OnlineProgress
 
         decoder = _ONLINE_DEFAULT.search(prefix) and not _ROUTER.search(prefix)
         fp8 = knobs.get("ONLINE_FP8")
         if decoder and not moe and fp8 is not None and self._selects(fp8, prefix, "SGLANG_EXL3_ONLINE_FP8"):
-            from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+            unaligned = _fp8_unaligned(layer)
+            if unaligned is None:
+                from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
-            self.online_claimed.append(prefix)
-            return Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=False,
-                                             packed_modules_mapping=self.packed_modules_mapping))
+                self.online_claimed.append(prefix)
+                return Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=False,
+                                                 packed_modules_mapping=self.packed_modules_mapping))
+            logger.warning("SGLANG_EXL3_ONLINE_FP8 selects %s, but FP8 GEMMs need whole multiples of %d and its %s; "
+                           "it falls back to %s", prefix, _FP8_ALIGN, unaligned,
+                           "EXL3 if SGLANG_EXL3_ONLINE_MODULES selects it, else BF16" if self.online_bits else "BF16")
         pattern = knobs.get("ONLINE_MODULES")
         if not (decoder and self.online_bits
                 and (pattern is None or self._selects(pattern, prefix, "SGLANG_EXL3_ONLINE_MODULES"))):
@@ -293,7 +300,7 @@ class Exl3Config(QuantizationConfig):
 
         n = getattr(layer, "num_experts", None)
         if self.online and n is not None:
-            return self._online_method(prefix, moe=True)
+            return self._online_method(prefix, layer, moe=True)
         if self.checkpoint is None or n is None:
             return None
         layer_id = _LAYER_ID.search(f".{prefix}.")
@@ -392,6 +399,22 @@ def _check_embedding_knob(hf_config) -> None:
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(getattr(hf_config, "text_config", None),
                                                                     "tie_word_embeddings", False):
         raise tied_embeddings_error(bits)
+
+
+def _fp8_unaligned(layer: torch.nn.Module) -> str | None:
+    """What keeps a linear off SGLang's FP8 GEMMs (per-tensor FP8 runs CUTLASS / torch scaled-mm kernels that take
+    whole multiples of 16 in K and N): None when this rank's input and output sizes both are multiples."""
+    from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from sglang.srt.runtime_context import get_parallel
+
+    tp = get_parallel().tp_size
+    k, n = layer.input_size, layer.output_size
+    if isinstance(layer, RowParallelLinear):
+        k //= tp
+    elif isinstance(layer, ColumnParallelLinear):
+        n //= tp
+    bad = [f"{side} size {size} per rank" for side, size in (("input", k), ("output", n)) if size % _FP8_ALIGN]
+    return " and ".join(bad) or None
 
 
 def _check_token_map(key: str) -> None:
