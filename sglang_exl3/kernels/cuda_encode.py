@@ -5,8 +5,8 @@ Two kernels find it. `exl3_quantize_tiles` (K = 1..8) is the search as written: 
 read from the table, both passes' backpointers in global memory (4 MiB per tile at K = 4, so it is bound by memory
 traffic). `exl3_quantize_tiles_fast` (K = 2..8, used whenever it applies) computes the values in registers, keeps
 the costs in shared memory, carries the first pass's answer as a per-state tag instead of backpointers, and solves
-the second pass in segments recomputed from stored cost vectors, so its scratch is a few hundred KiB per resident
-block and stays in L2.
+the second pass in segments recomputed from stored cost vectors: its scratch is one cost vector per segment per
+resident block (128 KiB per block at K = 4, in L2; 4 MiB at K = 2).
 """
 
 from __future__ import annotations
