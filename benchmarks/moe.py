@@ -14,6 +14,10 @@ routing, so both sides run the same experts on the same weights; the outputs are
 under CUDA-graph replay where it captures, else eagerly (the row says which). Without it, random experts and no
 exllamav3 column.
 
+With --marlin, a third anchor: SGLang's `fused_marlin_moe` (GPTQ-Marlin int4, group 128, bf16 x) on random packed
+weights of the same shape, the 4-bit MoE an SGLang user serves on Hopper today (its JIT modules compile on first use:
+build them here with scripts/prebuild_jit.py and carry the cache).
+
 Writes benchmarks/results/moe-<gpu>.{json,md,png}. `--merge A.json B.json ...` joins the rows of separate runs
 (e.g. one per bitrate) into that one table and plot.
 """
@@ -43,7 +47,8 @@ from sglang_exl3.format import Codebook  # noqa: E402
 
 HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
 ROUTINGS = 8
-COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "ours_vs_bf16", "ours_vs_exllamav3"]
+COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "ours_vs_bf16", "ours_vs_exllamav3",
+           "ours_vs_marlin"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us",
@@ -139,8 +144,32 @@ def routing(m: int, gen: torch.Generator):
     return (w / w.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda(), logits.cuda()
 
 
+def marlin_experts():
+    """fused_marlin_moe on random GPTQ-Marlin int4 experts (uint4b8, group 128, no act-order) of this shape: its work
+    does not depend on the values. Returns run(x, weights, ids, logits), or None (the reason printed) where SGLang's
+    Marlin MoE is unavailable."""
+    try:
+        from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
+        from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
+    except Exception as e:  # noqa: BLE001
+        print(f"marlin column skipped: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    dev, big = torch.device("cuda"), 2**31 - 1
+    w1 = torch.randint(-big, big, (EXPERTS, HIDDEN // 16, 2 * INTER * 2), dtype=torch.int32, device=dev)
+    w2 = torch.randint(-big, big, (EXPERTS, INTER // 16, HIDDEN * 2), dtype=torch.int32, device=dev)
+    s1 = (torch.rand(EXPERTS, HIDDEN // 128, 2 * INTER, device=dev) * 0.01 + 0.001).bfloat16()
+    s2 = (torch.rand(EXPERTS, INTER // 128, HIDDEN, device=dev) * 0.01 + 0.001).bfloat16()
+    empty = torch.empty(EXPERTS, 0, dtype=torch.int32, device=dev)
+    workspace = marlin_make_workspace(dev, max_blocks_per_sm=4)
+
+    def run(x, w, ids, logits):
+        return fused_marlin_moe(x, w1, w2, s1, s2, logits, w, ids, g_idx1=empty, g_idx2=empty, sort_indices1=empty,
+                                sort_indices2=empty, workspace=workspace, num_bits=4, is_k_full=True)
+    return run
+
+
 def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict], flush,
-               both_paths: bool = False, x_dtype: torch.dtype = torch.bfloat16) -> None:
+               both_paths: bool = False, x_dtype: torch.dtype = torch.bfloat16, marlin=None) -> None:
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -190,6 +219,10 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                "exllamav3_us": None,
                "ours_us": graph_us(ours, ROUTINGS, calls=ROUTINGS), "bf16_us": graph_us(bf16, ROUTINGS, calls=ROUTINGS)}
         row["ours_vs_bf16"] = row["bf16_us"] / row["ours_us"]
+        if marlin is not None:
+            row["marlin_us"] = graph_us(lambda i, xs=xs_bf16, routes=routes: marlin(xs[i], *routes[i]), ROUTINGS,
+                                        calls=ROUTINGS)
+            row["ours_vs_marlin"] = row["marlin_us"] / row["ours_us"]
         if both_paths:  # each forward at every m: where the pairs/sorted/dense crossovers really lie
             xs16 = [x.half() for x in xs]  # the staged forwards and the fp16 slab take fp16 x
 
@@ -257,7 +290,7 @@ def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:
 
 
 def plot(rows: list[dict], path: Path, gpu: str) -> None:
-    """µs per layer call against rows m, one panel per bitrate: ours, exllamav3, bf16 fused_experts."""
+    """µs per layer call against rows m, one panel per bitrate: ours, exllamav3, bf16 fused_experts, Marlin int4."""
     plt = pyplot()
     if plt is None:
         return
@@ -267,8 +300,10 @@ def plot(rows: list[dict], path: Path, gpu: str) -> None:
         rs = sorted((r for r in rows if r["bits"] == b), key=lambda r: r["m"])
         ms = [r["m"] for r in rs]
         for key, style, label in (("ours_us", "o-", "ours"), ("exllamav3_us", "s--", "exllamav3"),
-                                  ("bf16_us", "k:", "bf16 fused_experts")):
-            ax.plot(ms, [r.get(key) for r in rs], style, label=label)
+                                  ("bf16_us", "k:", "bf16 fused_experts"),
+                                  ("marlin_us", "m^-", "GPTQ-Marlin int4 (g128)")):
+            if any(r.get(key) for r in rs):
+                ax.plot(ms, [r.get(key) for r in rs], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("rows m")
@@ -302,15 +337,17 @@ def main() -> int:
                          "at every m")
     ap.add_argument("--x-dtype", choices=["bf16", "fp16"], default="bf16",
                     help="the model's dtype: what the layer receives and returns")
+    ap.add_argument("--marlin", action="store_true", help="add SGLang's fused_marlin_moe (GPTQ int4, g128) column")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge)
     publish_sglang_args()
     rows, head = [], header(sys.argv)
+    marlin = marlin_experts() if args.marlin else None
     for bits in (int(b) for b in args.bits.split(",")):
         bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
                    lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS), args.both_paths,
-                   torch.bfloat16 if args.x_dtype == "bf16" else torch.float16)
+                   torch.bfloat16 if args.x_dtype == "bf16" else torch.float16, marlin)
         torch.cuda.empty_cache()
     plot(rows, RESULTS / f"moe-{gpu_slug(head['gpu'])}.png", head["gpu"])
     return 0

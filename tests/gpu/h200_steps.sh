@@ -9,7 +9,8 @@
 #                                         (EXL3_EXT_BUILD=0: no build, for calls that do not need exllamav3)
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
-# moebench                                benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
+# moebench  [carry .marlin]               benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
+#                                         (MOEBENCH_ARGS=--marlin adds SGLang's Marlin int4 MoE, prebuilt in .marlin)
 # parity-moe / parity-rs / parity-r7 / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our
 #                                         kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; an R7 fixture; GLM-4.5 / DeepSeek-V3 hybrids (shared experts); a dense
@@ -50,6 +51,8 @@ mkdir -p /tmp/site /tmp/exl3so
 site_env() {  # what .devbundle/*/stage.sh exports, for calls that no longer carry the bundle
   export PYTHONPATH=/tmp/exl3so:/tmp/site SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 MAX_JOBS=${MAX_JOBS:-16}
   export TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # SGLang's JIT modules prebuilt by scripts/prebuild_jit.py (Marlin anchors), when the call carries them
+  if [ -d .marlin ]; then export TVM_FFI_CACHE_DIR=$PWD/.marlin; fi
 }
 
 deep_gemm_stub() {  # for the speculative steps, which run with PYTHONPATH+=/tmp/stubs and SGLANG_ENABLE_JIT_DEEPGEMM=0
