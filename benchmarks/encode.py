@@ -187,7 +187,6 @@ def serve_rows(args, work: Path, on_row) -> list[dict]:
     """Five servers of one model, one after another (see the module docstring, item 5)."""
     import os
 
-    from benchmarks.spec_checks import output_tokens
     from sglang_exl3.integration.server import free_port, launch, post, stop, wait_ready
 
     for knob in ONLINE_KNOBS:
@@ -230,16 +229,18 @@ def serve_rows(args, work: Path, on_row) -> list[dict]:
                "tok_s_bs1": round(tok_s, 1), "online_log": re.findall(r"EXL3 online: \d+/\d+ linears.*", text)[-1:]}
         for ref, column in (("bf16", "same_as_bf16"), ("exl3 from disk", "same_as_disk")):
             if ref in outputs and ref != name:
-                row.update(_agreement(outputs[ref], outputs[name], output_tokens, column))
+                row.update(_agreement(outputs[ref], outputs[name], column))
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
         on_row(rows)
     return rows
 
 
-def _agreement(ref: list[dict], got: list[dict], output_tokens, column: str) -> dict:
+def _agreement(ref: list[dict], got: list[dict], column: str) -> dict:
     """The share of prompts whose greedy tokens equal the reference's, and the largest logprob difference of the
     tokens both chose up to the first difference."""
+    from benchmarks.spec_checks import output_tokens
+
     same, gap = 0, 0.0
     for a, b in zip(ref, got, strict=True):
         ta, tb = output_tokens(a), output_tokens(b)
@@ -297,23 +298,27 @@ def main() -> int:
     if work is None:
         return 2
     head, rows = header(sys.argv), []
+
+    def save(measured: list[dict]) -> None:  # after every part: a run cut short keeps what it measured
+        write_results("encode", head, merged(measured), COLUMNS)
+
     if not args.skip_rates:
         rows += tile_rates()
         rows.append(llama3_8b_layer(args.bits))
         print("ROW " + json.dumps(rows[-1]), flush=True)
-        write_results("encode", head, merged(rows), COLUMNS)
+        save(rows)
     if args.vs_exllamav3:
         rows += exllamav3_agreement()
-        write_results("encode", head, merged(rows), COLUMNS)
+        save(rows)
     if args.bf16 and args.offline and args.texts and not args.skip_quality:
         rows.append(model_row(args, work))
         print("ROW " + json.dumps(rows[-1]), flush=True)
-        write_results("encode", head, merged(rows), COLUMNS)
+        save(rows)
     if args.serve:
         if not (args.bf16 and args.texts):
             parser.error("--serve needs --bf16 and --texts")
         done = list(rows)
-        serve_rows(args, work, lambda served: write_results("encode", head, merged(done + served), COLUMNS))
+        serve_rows(args, work, lambda served: save(done + served))
     return 0
 
 

@@ -32,12 +32,11 @@ def test_quality_measures(tmp_path):
 
 def test_served_agreement_counts_prompts_and_compares_logprobs_up_to_the_first_difference():
     from benchmarks.encode import _agreement
-    from benchmarks.spec_checks import output_tokens
 
     def out(pairs):
         return {"meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in pairs]}}
 
     ref = [out([(-0.5, 7), (-1.0, 8)]), out([(-0.2, 3), (-0.3, 4)])]
     got = [out([(-0.5, 7), (-1.25, 8)]), out([(-0.7, 3), (-9.0, 5)])]
-    assert _agreement(ref, got, output_tokens, "same") == {"same": "1/2", "same_max_logprob_diff": 0.5}
-    assert _agreement(ref, ref, output_tokens, "same") == {"same": "2/2", "same_max_logprob_diff": 0.0}
+    assert _agreement(ref, got, "same") == {"same": "1/2", "same_max_logprob_diff": 0.5}
+    assert _agreement(ref, ref, "same") == {"same": "2/2", "same_max_logprob_diff": 0.0}

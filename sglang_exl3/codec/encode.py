@@ -16,6 +16,7 @@ and not encoded here.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,12 @@ def encode_tiles(x: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG) -> 
 
 
 TilesEncoder = Callable[[torch.Tensor, int, Codebook], torch.Tensor]  # encode_tiles, or kernels.cuda_encode's
+
+
+def module_seed(key: str) -> int:
+    """The sign seed of the module with checkpoint key `key` (model.layers.0.self_attn.q_proj): one function for
+    `encode` and online encoding, so that both give a model the same weights."""
+    return zlib.crc32(key.encode()) & 0x7FFFFFFF
 
 
 def encode_trellis(tiles: torch.Tensor, k: int, codebook: Codebook = Codebook.MCG,

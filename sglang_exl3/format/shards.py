@@ -46,6 +46,19 @@ class ShardPacker:
         return save_shards(out, self.shards)
 
 
+def marker_tensor(codebook):
+    """The codebook's marker as exllamav3 stores it (`.mcg` / `.mul1`): its 32-bit multiplier in an int32 0-d
+    tensor; None for 3INST, which has no marker."""
+    import torch
+
+    from sglang_exl3.format.constants import MARKER_VALUES
+
+    if not codebook.marker:
+        return None
+    value = MARKER_VALUES[codebook.marker]
+    return torch.tensor(value - (1 << 32) if value >= 1 << 31 else value, dtype=torch.int32)
+
+
 def storage_entry(tensors: dict, bits: float | None, codebook=None) -> dict:
     """One module's `tensor_storage` entry in exllamav3's sidecar: every stored tensor's shape, bytes and dtype, and
     for an EXL3 module its format, bitrate and codebook multiplier."""

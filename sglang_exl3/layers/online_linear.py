@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import zlib
 from functools import cache
 from pathlib import Path
 
@@ -80,11 +79,12 @@ class OnlineProgress:
 
 def encode_shard(part: torch.Tensor, module: str, bits: int, world: int, rank: int) -> tuple[Exl3Shard, bool]:
     """One [out, in] weight (this rank's) as an EXL3 shard on its device, through the cache; (shard, cache hit)."""
+    from sglang_exl3.codec.encode import module_seed
     from sglang_exl3.runtime.online_cache import cache_key, encoder_identity
 
     n, k = part.shape
     key = cache_key(model_identity=weight_digest(part), encoder_identity=encoder_identity(), module=module, bits=bits,
-                    codebook=CODEBOOK.label, seed=zlib.crc32(module.encode()) & 0x7FFFFFFF, tp_world_size=world,
+                    codebook=CODEBOOK.label, seed=module_seed(module), tp_world_size=world,
                     tp_rank=rank, input_size=padded(k), output_size=padded(n), source_dtype=str(part.dtype))
     tensors, how = online_cache().get_or_encode(key, lambda: _encode(part, key))
     logger.info("EXL3 online: %s %dx%d at %d bits: %s", module, k, n, bits, how)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from sglang_exl3.format.constants import MARKER_VALUES, SIDECAR_NAME, Codebook, padded
-from sglang_exl3.format.shards import ShardPacker, storage_entry
+from sglang_exl3.format.constants import SIDECAR_NAME, Codebook, padded
+from sglang_exl3.format.shards import ShardPacker, marker_tensor, storage_entry
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -160,8 +160,7 @@ def random_exl3_linear(
 
     out = {"suh": signed_scale(k), "svh": signed_scale(n)}
     if codebook.marker:
-        value = MARKER_VALUES[codebook.marker]
-        out[codebook.marker] = torch.tensor(value - (1 << 32) if value >= 1 << 31 else value, dtype=torch.int32)
+        out[codebook.marker] = marker_tensor(codebook)
     out["trellis"] = torch.randint(-32768, 32768, (k // 16, n // 16, words), generator=gen, dtype=torch.int16)
     return out
 
