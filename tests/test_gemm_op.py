@@ -84,15 +84,15 @@ def test_group_op_fake_shape_and_trace():
 
 
 def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request):
-    """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_FUSED_MAX_M rows and per-source linears
-    above, and from 33 rows only where the group can stage x in shared memory (a long K slice cannot: then each
-    source runs by the single-linear policy, as a lone linear would); which one ran is recorded (the kernels
+    """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_FUSED_MAX_M rows (the x ring from RING_MIN_M
+    rows, whatever the group's K slices) and per-source linears above; which one ran is recorded (the kernels
     themselves need a GPU: tests/gpu/test_cuda_trellis.py)."""
     from sglang_exl3.kernels import cuda_trellis as ck
     from sglang_exl3.kernels.cuda_trellis import prepare
 
     ran = []
-    monkeypatch.setattr(ck, "group_linear", lambda x, g: (ran.append("group"), torch.zeros(x.shape[0], 640))[1])
+    monkeypatch.setattr(ck, "group_linear", lambda x, g: (ran.append(("group", g.ring_mode(x.shape[0]))),
+                                                          torch.zeros(x.shape[0], 640))[1])
     monkeypatch.setattr(ck, "exl3_linear", lambda x, t, *a: (ran.append("linear"), torch.zeros(x.shape[0],
                                                                                             t.shape[0] * 16))[1])
     srcs = [_layer(3 + i, n=n) for i, n in enumerate((384, 128, 128))]
@@ -103,22 +103,54 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request)
         meta = [3, 16, 0, 640, 0, 6, max_slice]
         return torch.ops.exl3.gemm_group(torch.randn(m, 256).half(), tiles, suh, svh, table, meta, 1)
 
-    for m in (1, 64, 65):
+    for m in (1, 15, 16, 32, 33, 128, 129):
         call(m)
-    assert ran == ["group", "group"] + ["linear"] * 3
+    assert ran == [("group", 0), ("group", 0), ("group", 82), ("group", 82), ("group", 81), ("group", 81)] + [
+        "linear"] * 3
     ran.clear()
-    long_slice = 52  # Llama-3-8B's gate/up at its load-time splits: 64 rows of x would need 105 KB
-    assert ck.xs_smem(64, long_slice) > ck.XS_GROUP_SMEM_BYTES >= ck.xs_smem(32, long_slice)
-    for m in (32, 64):
-        call(m, long_slice)
-    assert ran == ["group"] + ["linear"] * 3
+    long_slice = 52  # Llama-3-8B's gate/up at its load-time splits: 64 rows of x would need 105 KB in a slice
+    assert ck.xs_smem(64, long_slice) > ck.XS_GROUP_SMEM_BYTES
+    call(64, long_slice)  # the ring streams x: no slice to fit
+    assert ran == [("group", 81)]
     ran.clear()
     request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
     ck.fused_crossover_m.cache_clear()
     for m in (32, 33):
         assert tuple(call(m).shape) == (m, 640)
-    assert ran == ["group"] + ["linear"] * 3
+    assert ran == [("group", 82)] + ["linear"] * 3
+
+
+def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
+    """exl3_linear's choice by m: the x-slice / global-load GEMM below RING_MIN_M rows, the x ring (its mode and
+    half of default_splits, or all of them where half leaves fewer ring blocks than SMs) from there to the knob's
+    rows, and the older kernels for a width the ring's 8-warp blocks cannot tile (N % 128 != 0)."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    calls = []
+    monkeypatch.setattr(ck, "had_in", lambda x, suh: x)
+    monkeypatch.setattr(ck, "had_out", lambda acc, svh: acc[0].half())
+    monkeypatch.setattr(ck, "default_splits", lambda kt, nt, device: 5)
+    monkeypatch.setattr(ck, "gemm_rotated_partial", lambda xh, tiles, cb, splits, xs=None, ring=0: (
+        calls.append((xh.shape[0], ring, splits)), torch.zeros(1, xh.shape[0], tiles.shape[0] * 16))[1])
+    monkeypatch.setattr(ck, "reconstruct", lambda tiles, cb, cols, out: calls.append((out.shape, "reconstruct")))
+    monkeypatch.setattr(ck, "fused_crossover_m", lambda: 128)
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 6)
+    tiles = torch.zeros(16, 16, 64, dtype=torch.int16)  # N = 256: 16 column tiles
+    suh, svh = torch.zeros(256).half(), torch.zeros(256).half()
+    for m in (15, 16, 32, 33, 128):
+        ck.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
+    assert calls[1:] == [(16, 82, 3), (32, 82, 3), (33, 81, 3), (128, 81, 3)]  # 16 x 3 / 8 = 6 blocks per 64 rows
+    assert calls[0][:2] == (15, 0)
+    calls.clear()
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 7)
+    for m in (64, 65):
+        ck.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
+    assert calls == [(64, 81, 5), (65, 81, 3)]  # 6 blocks < 7 SMs: all 5 splits; two 64-row blocks: 12 blocks
+    calls.clear()
+    ck.exl3_linear(torch.zeros(16, 256).half(), torch.zeros(12, 16, 64, dtype=torch.int16), suh[:192].clone(),
+                   svh[:192].clone(), Codebook.MCG)  # N = 192
+    assert calls[0][1] == 0
 
 
 def test_group_only_for_sources_that_can_share_launches():

@@ -59,13 +59,13 @@ def test_backend_resolution_on_cpu(monkeypatch):
 
 
 def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypatch, request):
-    """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover, at most the fused kernel's 64 rows, and what the
+    """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover, at most the x ring's 128 rows, and what the
     dense dispatch (cuda_trellis.fused_crossover_m, used by exl3_linear and exl3::gemm_group) reads."""
     from sglang_exl3.kernels import cuda_trellis as ck
 
-    assert knobs.validate_all({})["FUSED_MAX_M"] == ck.FUSED_CROSSOVER_M <= ck.FUSED_MAX_M
-    with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be at most 64, got 65"):
-        knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "65"})
+    assert knobs.validate_all({})["FUSED_MAX_M"] == ck.FUSED_CROSSOVER_M <= ck.RING_MAX_M
+    with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be at most 128, got 129"):
+        knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "129"})
     with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be positive, got 0"):
         knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "0"})
     request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh

@@ -29,12 +29,16 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 13
-FUSED_MAX_M = 64  # the fused kernel's limit (8 groups of 8 rows)
-# Above this m: reconstruct + cuBLAS. H200 (benchmarks/results/kernels-h200): fused/reconstruct time ratio,
-# median over shapes x bits x codebooks, with x in shared memory: 0.57 at m = 32, 0.98 at 64 (0.87-1.14 by shape;
-# global-load kernels: 0.95 / 1.68). At 64 the fused path also needs no W_hat scratch. It is the default of
-# SGLANG_EXL3_FUSED_MAX_M, which overrides it (fused_crossover_m()).
+ABI_VERSION = 14
+FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
+# x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
+# global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
+# 1.01-1.23x at 128; at m = 1-8 it is 0.92-1.09x, so the smaller m keep the kernels they had. Ring blocks need
+# N % 128 == 0 (8 warps of 16 columns); other shapes keep the older kernels up to 64 rows.
+RING_MIN_M, RING_MAX_M = 16, 128
+RING_BLOCK_ROWS = 64  # rows per ring block (blockIdx.y): more rows decode the weights again per block
+# Above this m: reconstruct + cuBLAS. It is the default of SGLANG_EXL3_FUSED_MAX_M, which overrides it
+# (fused_crossover_m()): the ring measured 1.01-1.23x of reconstruct + cuBLAS at 128 rows (ring-ab-h200).
 FUSED_CROSSOVER_M = knobs.KNOBS["FUSED_MAX_M"].default
 RECONSTRUCT_SLICE_BYTES = 128 << 20  # W_hat scratch per slice of columns for the large-m path
 # Rows for which the small-m GEMM stages x in shared memory (one ldmatrix per tile, 48-56 registers instead of 64-96):
@@ -202,9 +206,10 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_reconstruct_rot_out.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
+    lib.exl3_gemm_partial_ring.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
-    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, i, p]
+    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
@@ -377,14 +382,18 @@ def auto_xs_splits(m: int, k_tiles: int, n_tiles: int, codebook: Codebook | int,
 
 
 def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook,
-                         splits: int | None = None, xs: bool | None = None) -> torch.Tensor:
+                         splits: int | None = None, xs: bool | None = None, ring: int = 0) -> torch.Tensor:
     """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64.
-    `xs`: stage x in shared memory (None: `use_xs`); the partials are the same bit for bit."""
+    `xs`: stage x in shared memory (None: `use_xs`); the partials are the same bit for bit.
+    `ring` (RING_MODES: warps per block * 10 + trellis groups per chunk): stream x through the shared-memory ring
+    instead (any m, in 64-row blocks; N a multiple of 16 * warps); the same partials at equal splits."""
     _check_tiles(tiles)
     nt, kt, _ = tiles.shape
     m = xh.shape[0]
     if xh.dtype != torch.float16 or not xh.is_contiguous() or xh.shape[1] != kt * 16:
         raise ValueError(f"xh must be contiguous fp16 [m, {kt * 16}], got {xh.dtype} {tuple(xh.shape)}")
+    if ring:
+        return _gemm_ring(xh, tiles, codebook, splits or default_splits(kt, nt, xh.device), ring)
     if m > FUSED_MAX_M:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
     if xs and nt % 4:
@@ -403,6 +412,48 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
     fn = load_library().exl3_gemm_partial_xs if xs else load_library().exl3_gemm_partial
     _check(fn(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt, splits, _k2(tiles), int(codebook),
               _stream(xh)), "gemm")
+    return partial
+
+
+RING_MODES = (81, 82)  # x-ring GEMM: warps per block (8) * 10 + trellis groups per x chunk (1, 2)
+
+
+def ring_mode(m: int) -> int:
+    """The ring's mode for m rows: 8 warps per block, x in chunks of two trellis groups up to 32 rows and of one
+    above (ring-ab-h200: with ring_splits, the fastest measured cell at 32 and 64 rows on all four shapes, within
+    4% at 16 and 128)."""
+    return 82 if m <= 32 else 81
+
+
+def ring_splits(m: int, k_tiles: int, n_tiles: int, device: torch.device) -> int:
+    """Half of default_splits, rounded up, unless that leaves fewer ring blocks than SMs (then default_splits): a
+    ring block serves 8 column strips of one 64-row block, and fewer, longer K splits write fewer partials
+    (ring-ab-h200: the best of {half, default, double} at m = 16-128 on 4096 x 14336, 14336 x 4096 and 4096 x 4096;
+    on 4096 x 1024 half gives 64 blocks and default_splits is up to 21% faster)."""
+    base = default_splits(k_tiles, n_tiles, device)
+    half = max(1, -(-base // 2))
+    blocks = n_tiles * half // 8 * -(-m // RING_BLOCK_ROWS)
+    return half if blocks >= _sm_count(device.index or 0) else base
+
+
+def uses_ring(m: int, n_tiles: int) -> bool:
+    """Whether m rows of a linear (or of every source of a group) with N = 16 n_tiles take the x-ring GEMM."""
+    return RING_MIN_M <= m <= RING_MAX_M and n_tiles % 8 == 0
+
+
+def _check_ring(mode: int, n_tiles: int) -> None:
+    if mode not in RING_MODES or n_tiles % (mode // 10):
+        raise ValueError(f"the x-ring GEMM takes a mode in {RING_MODES} (warps per block * 10 + groups per chunk) "
+                         f"and N % (16 * warps) == 0, got mode {mode} and N={n_tiles * 16}")
+
+
+def _gemm_ring(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook, splits: int, mode: int) -> torch.Tensor:
+    nt, kt, _ = tiles.shape
+    _check_ring(mode, nt)
+    m = xh.shape[0]
+    partial = torch.empty(splits, m, nt * 16, dtype=torch.float32, device=xh.device)
+    _check(load_library().exl3_gemm_partial_ring(xh.data_ptr(), tiles.data_ptr(), partial.data_ptr(), m, kt, nt,
+                                                 splits, _k2(tiles), int(codebook), mode, _stream(xh)), "gemm")
     return partial
 
 
@@ -425,16 +476,18 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     if fused_max_m is None:
         fused_max_m = fused_crossover_m()
     xh = had_in(x.contiguous(), suh)
-    xs = None
+    xs, ring = None, 0
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct_staged"
-        if path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
+        if path == "fused" and not splits and uses_ring(m, tiles.shape[0]):
+            ring, splits = ring_mode(m), ring_splits(m, tiles.shape[1], tiles.shape[0], x.device)
+        elif path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
             splits = auto_xs_splits(m, tiles.shape[1], tiles.shape[0], codebook, x.device)
             xs = splits is not None
             if m > GLOBAL_LOADS_MAX_M and not xs:
                 path = "reconstruct_staged"
     if path == "fused":
-        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs), svh)
+        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs, ring=ring), svh)
     if path not in ("reconstruct", "reconstruct_staged"):
         raise ValueError(f"unknown EXL3 linear path {path!r}")
     rotated = path == "reconstruct"
@@ -501,10 +554,18 @@ class Exl3Group:
                    partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice)
 
     def runs_fused(self, m: int) -> bool:
-        """Whether m rows run as this group's one fused launch: up to fused_crossover_m(), and above
-        GLOBAL_LOADS_MAX_M only where x can be staged (its splits are fixed at load; a gate/up group with long K
-        slices cannot stage 64 rows). Otherwise each source runs as a single linear, by the single-linear policy."""
-        return m <= fused_crossover_m() and (m <= GLOBAL_LOADS_MAX_M or self.xs_slice(m) > 0)
+        """Whether m rows run as this group's one fused launch: up to fused_crossover_m(); through the x ring from
+        RING_MIN_M rows; otherwise above GLOBAL_LOADS_MAX_M only where x can be staged (its splits are fixed at load;
+        a gate/up group with long K slices cannot stage 64 rows). Otherwise each source runs as a single linear, by
+        the single-linear policy."""
+        if m > fused_crossover_m():
+            return False
+        return bool(self.ring_mode(m)) or (m <= GLOBAL_LOADS_MAX_M or self.xs_slice(m) > 0)
+
+    def ring_mode(self, m: int) -> int:
+        """The x-ring mode for m rows, 0 where the ring does not serve them (every source's N is a multiple of 128,
+        which the ring's 8-warp blocks need). The ring runs at the group's load-time splits."""
+        return ring_mode(m) if uses_ring(m, 8) else 0
 
     def xs_slice(self, m: int) -> int:
         """The x slice to stage in shared memory for m rows (0: global loads): where use_xs says so and the
@@ -750,17 +811,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk:
 
 
 def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
-              total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0) -> torch.Tensor:
+              total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0,
+              ring: int = 0) -> torch.Tensor:
     """fp16 [m, total_cols]: the three launches of a group over a table of `num` sources (x fp16 rows as the table's
     x_row fields address them). Sources with n_tiles = 0 are skipped; the items and columns counted for them may
-    be an upper bound. xs_slice > 0: x staged in shared memory for K slices up to that many tiles."""
+    be an upper bound. xs_slice > 0: x staged in shared memory for K slices up to that many tiles; `ring` (a
+    RING_MODES mode): x through the shared-memory ring instead (any m)."""
     _check_fp16("x", x, (x.shape[0], k_tiles * 16))
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=torch.float16, device=x.device)
     _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
                                             out.data_ptr(), m, k_tiles, total_items, total_cols, k2, codebook,
-                                            xs_slice, _stream(x)), "group linear")
+                                            xs_slice, ring, _stream(x)), "group linear")
     return out
 
 
@@ -918,10 +981,13 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
     return outs
 
 
-def group_linear(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
-    """fp16 [m, sum N] = the concatenated outputs of every source of the group for fp16 x [m, K] (m <= 64)."""
+def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> torch.Tensor:
+    """fp16 [m, sum N] = the concatenated outputs of every source of the group for fp16 x [m, K]. `ring`: a
+    RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load kernels (m <= 64), or
+    None for the group's policy (Exl3Group.ring_mode)."""
     m = x.shape[0]
-    if m > FUSED_MAX_M:
-        raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows, got {m}")
+    ring = group.ring_mode(m) if ring is None else ring
+    if m > FUSED_MAX_M and not ring:
+        raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
-                     group.partial_per_row, group.k2, group.codebook, group.xs_slice(m))
+                     group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring)

@@ -125,6 +125,25 @@ def test_gemm_with_x_in_shared_memory_is_bit_identical(cb, bits):
             assert torch.equal(got, want), f"m={m} splits={splits}: max {float((got - want).abs().max()):.3e}"
 
 
+@pytest.mark.parametrize("cb, bits", VARIANTS, ids=IDS)
+def test_gemm_with_x_ring_is_bit_identical(cb, bits):
+    """x streamed through the shared-memory ring gives the global-load kernel's partials bit for bit: every mode (4
+    and 8 warps per block, one or two trellis groups per chunk), rows past m, a last chunk shorter than its groups
+    (K slices of 1-18 tiles), and rows beyond 64 as further 64-row blocks."""
+    trellis, _, _, x = _case(1152, 256, bits, 150, seed=int(bits * 6) + 5 * int(cb))
+    t = ck.prepare(trellis.cuda())
+    for m in (1, 7, 9, 16, 27, 64, 65, 150):
+        xh = x[:m].cuda()
+        for splits in (1, 4, 7, 72):
+            want = [ck.gemm_rotated_partial(xh[r0:r0 + 64].contiguous(), t, cb, splits=splits, xs=False)
+                    for r0 in range(0, m, 64)]
+            for mode in ck.RING_MODES:
+                got = ck.gemm_rotated_partial(xh, t, cb, splits=splits, ring=mode)
+                assert got.shape == (splits, m, 256) and torch.isfinite(got).all(), f"m={m} splits={splits}"
+                for i, r0 in enumerate(range(0, m, 64)):
+                    assert torch.equal(got[:, r0:r0 + 64], want[i]), f"m={m} splits={splits} mode={mode} rows {r0}+"
+
+
 def test_gemm_x_in_shared_memory_limits():
     t = ck.prepare(_trellis(8, 6, 4, seed=2).cuda())  # 6 column tiles: not a multiple of 4
     with pytest.raises(ValueError, match="x in shared memory"):
@@ -243,6 +262,30 @@ def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
         got = ck.group_run(*args, xs_slice=group.max_slice)
         assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), f"m={m}"
         assert torch.equal(ck.group_linear(x[:m], group).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)])
+def test_group_with_x_ring_is_bit_identical(cb, bits):
+    """The group GEMM with x through the shared-memory ring writes what global loads write, bit for bit, for
+    sources of different widths and splits; above 64 rows it equals the group run on each 64-row block."""
+    k, widths = 1024, (512, 128, 256)
+    srcs = [_case(k, n, bits, 16, seed=70 + i) for i, n in enumerate(widths)]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    group = ck.make_group(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs], cb,
+                          splits=[3, 1, 7])
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(bits)).half().cuda()
+
+    def run(rows: torch.Tensor, **kw) -> torch.Tensor:
+        m = rows.shape[0]
+        return ck.group_run(rows.contiguous(), group.table, group.num, m, group.k_tiles, group.total_items,
+                            group.total_cols, group.partial_per_row, group.k2, group.codebook, **kw)
+
+    for m in (1, 9, 16, 33, 64, 150):
+        want = torch.cat([run(x[r0:min(m, r0 + 64)]) for r0 in range(0, m, 64)])
+        for mode in ck.RING_MODES:
+            got = run(x[:m], ring=mode)
+            assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                f"m={m} mode={mode}"
 
 
 def test_group_captures_in_a_cuda_graph():

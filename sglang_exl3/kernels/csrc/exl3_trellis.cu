@@ -23,6 +23,7 @@
 namespace {
 
 constexpr int kWarps = 4;  // warps per block in the GEMM and reconstruct kernels
+constexpr int kDepth = 4;  // k-tiles per trellis load group in the GEMMs (double-buffered in registers)
 constexpr float kRScale = 0.088388347648f;  // exllamav3's fp32 literal for 1/sqrt(128)
 
 // ---- compile-time geometry of one lane's bits --------------------------------------------------
@@ -355,6 +356,26 @@ __device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, 
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
 }
 
+// A warp's accumulators into its partials: C fragment rows = output features g, g + 8 of the strip, columns = x rows
+// 2tq, 2tq + 1 of each 8-row group; rows at or past m are not stored. `out` points at row 0 of the strip.
+template <int MT>
+__device__ __forceinline__ void store_acc(float* __restrict__ out, const float (&acc)[MT][4], int m, int N, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  out += g;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r0 = mt * 8 + 2 * tq;
+    if (r0 < m) {
+      out[(size_t)r0 * N] = acc[mt][0];
+      out[(size_t)r0 * N + 8] = acc[mt][2];
+    }
+    if (r0 + 1 < m) {
+      out[(size_t)(r0 + 1) * N] = acc[mt][1];
+      out[(size_t)(r0 + 1) * N + 8] = acc[mt][3];
+    }
+  }
+}
+
 // With XS, `stage(kt0, kt1)` fills the block's x slice and returns the lane's ldmatrix address (default: stage_x
 // from xh); it runs after the first group's trellis loads are issued.
 template <int K2, int CB, int MT, int DEPTH, bool XS = false, typename Stage = int>
@@ -477,20 +498,7 @@ __device__ __forceinline__ void gemm_warp(const half* __restrict__ xh, const uin
     compute_tiles(one, xone, 1);
   }
 
-  // C fragment: rows = output features g, g+8 of the tile; cols = x rows 2tq, 2tq+1 of the group
-  float* out = partial + (size_t)split * m * N + tn * 16 + g;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r0 = mt * 8 + 2 * tq;
-    if (r0 < m) {
-      out[(size_t)r0 * N] = acc[mt][0];
-      out[(size_t)r0 * N + 8] = acc[mt][2];
-    }
-    if (r0 + 1 < m) {
-      out[(size_t)(r0 + 1) * N] = acc[mt][1];
-      out[(size_t)(r0 + 1) * N + 8] = acc[mt][3];
-    }
-  }
+  store_acc<MT>(partial + (size_t)split * m * N + tn * 16, acc, m, N, lane);
 }
 
 template <int K2, int CB, int MT, int DEPTH>
@@ -512,6 +520,169 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_xs_kernel(const half* __rest
   extern __shared__ uint4 xs[];
   const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
   gemm_warp<K2, CB, MT, DEPTH, true>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item, xs);
+}
+
+// ---- the GEMM with x streamed through a shared-memory ring ------------------------------------------------
+// gemm_xs_kernel stages a block's whole K slice of x before its first mma, so the slice (rows x K / splits) sets the
+// split count: at 64 rows a 48 KB slice takes 12+ splits of 4096 x 14336, and the fp32 partials, the x traffic from
+// L2 and the un-overlapped staging grow with m. Here x arrives in chunks of CG trellis groups (CG * kDepth k-tiles)
+// through a ring of ring_stages(CG) slots filled by cp.async ahead of use, so the split count is free again and a
+// block of KW warps reads each x chunk once for KW column strips. A block stages MT * 8 rows, zero past m. Rows
+// beyond 64 are further 64-row blocks (blockIdx.y), each decoding the weights again. Per warp the k order is
+// gemm_warp's, so the partials are the same bit for bit at equal splits.
+constexpr int kRingMaxRows = 64;
+
+__host__ __device__ constexpr int ring_stages(int cg) { return cg == 1 ? 3 : 2; }
+__host__ __device__ constexpr int ring_row_bytes(int cg) { return cg * kDepth * 32 + 16; }  // a chunk row + skew
+__host__ __device__ constexpr int ring_smem(int mt, int cg) { return ring_stages(cg) * mt * 8 * ring_row_bytes(cg); }
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {  // zero-fills past src_bytes
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// mma_16816 without `volatile`: a pure register operation, so the compiler may interleave it with the next tile's
+// decode (the ring kernel's ldmatrix stays volatile: it must not move above the barrier that publishes its chunk).
+__device__ __forceinline__ void mma_16816_free(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// This thread's share of the block's ring copies: a fixed 16-byte column c of the chunk and rows r0, r0 + step, ..
+// (a pass of the block's threads covers `step` rows), so a chunk costs one add and one cp.async per piece.
+template <int MT, int CG, int KW>
+struct RingFill {
+  static constexpr int kPerRow = CG * kDepth * 2;  // 16-byte pieces per row of a chunk
+  static constexpr int kStep = KW * 32 / kPerRow;  // rows per pass of the block's threads
+  static constexpr int kPasses = (MT * 8 + kStep - 1) / kStep;
+  const half* src;  // row 0, column c, at the split's first tile
+  uint32_t dst;     // offset of (r0, c) inside a slot
+  int r0, tile;     // first row, and the k-tile of column c inside a chunk
+
+  __device__ __forceinline__ RingFill(const half* __restrict__ xh, int kt0) {
+    r0 = threadIdx.x / kPerRow;
+    const int c = threadIdx.x % kPerRow;
+    tile = c >> 1;
+    src = xh + kt0 * 16 + c * 8;
+    dst = r0 * ring_row_bytes(CG) + c * 16;
+  }
+
+  // chunk `chunk` (its tiles clipped to `tiles`, the split's length) into the slot at `slot`; rows >= m zero-filled
+  // (their copies read nothing; the address given is row 0's)
+  __device__ __forceinline__ void fill(uint32_t slot, int chunk, int tiles, int m, int K) const {
+    if (chunk * CG * kDepth + tile >= tiles) return;
+    const half* p = src + (size_t)chunk * CG * kDepth * 16;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = r0 + i * kStep;
+      if (r >= MT * 8) break;
+      cp_async16(slot + dst + i * kStep * ring_row_bytes(CG), r < m ? p + (size_t)r * K : p, r < m ? 16 : 0);
+    }
+  }
+};
+
+// One warp's work item (as gemm_warp's) for rows [64 blockIdx.y, +64) of x; every warp of the block shares the
+// item's K split (n_tiles % KW == 0) and takes part in the ring's copies and barriers.
+template <int K2, int CB, int MT, int KW, int CG>
+__device__ __forceinline__ void ring_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
+                                          float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
+                                          int item, uint4* __restrict__ ring) {
+  constexpr int L = LaneBits<K2>::kLoad, W = words32(K2), D = kDepth, S = ring_stages(CG), RB = ring_row_bytes(CG);
+  constexpr uint32_t slot_bytes = MT * 8 * RB, rows16 = 16 * RB;
+  const int lane = threadIdx.x & 31;
+  const int tn = item % n_tiles, split = item / n_tiles;
+  const int kt0 = (int)((long long)split * k_tiles / splits), kt1 = (int)((long long)(split + 1) * k_tiles / splits);
+  const int K = k_tiles * 16, N = n_tiles * 16;
+  const int row0 = blockIdx.y * kRingMaxRows, mb = min(m - row0, kRingMaxRows);  // this block's rows
+  const LaneBits<K2> bits(lane);
+  const RingFill<MT, CG, KW> filler(xh + (size_t)row0 * K, kt0);
+
+  const uint32_t* lw[L];
+#pragma unroll
+  for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
+  auto load_tiles = [&](auto& buf, int count) {
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+#pragma unroll
+      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
+    }
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] += count * W;
+  };
+
+  // this lane's ldmatrix address in slot 0: row (lane % 8) (+ 8 for lanes 16..31), k half lane / 8 % 2
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
+  const uint32_t lane_addr = ring0 + r * RB + ((lane >> 3) & 1) * 16;
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  auto compute_tiles = [&](const auto& buf, uint32_t addr, int count) {
+    uint32_t b[2][MT][2];
+    ldsm_b<MT>(addr, rows16, b[0]);
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+      if (d + 1 < count) ldsm_b<MT>(addr + (d + 1) * 32, rows16, b[(d + 1) & 1]);
+      uint32_t frag[4];
+      bits.template decode<CB>(buf[d], frag);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma_16816_free(acc[mt], frag, b[d & 1][mt][0], b[d & 1][mt][1]);
+    }
+  };
+
+  const int tiles = kt1 - kt0, groups = tiles / D, chunks = (tiles + CG * D - 1) / (CG * D);
+#pragma unroll
+  for (int c = 0; c < S - 1; ++c) {
+    if (c < chunks) filler.fill(ring0 + c * slot_bytes, c, tiles, mb, K);
+    cp_async_commit();
+  }
+  // a chunk's first group waits for its x and refills the slot the previous chunk used; every group prefetches the
+  // next group's trellis words, then computes
+  auto chunk_start = [&](int c) {
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    if (c + S - 1 < chunks) filler.fill(ring0 + ((c + S - 1) % S) * slot_bytes, c + S - 1, tiles, mb, K);
+    cp_async_commit();
+  };
+  auto step = [&](int grp, const auto& cur, auto& next) {
+    if (grp % CG == 0) chunk_start(grp / CG);
+    if (grp + 1 < groups) load_tiles(next, D);
+    compute_tiles(cur, lane_addr + ((grp / CG) % S) * slot_bytes + (grp % CG) * D * 32, D);
+  };
+  uint32_t buf_a[D][L], buf_b[D][L];
+  if (groups > 0) load_tiles(buf_a, D);
+  for (int grp = 0; grp < groups; grp += 2) {
+    step(grp, buf_a, buf_b);
+    if (grp + 1 >= groups) break;
+    step(grp + 1, buf_b, buf_a);
+  }
+  if (tiles > groups * D) {  // fewer than kDepth tiles after the last group, in the last chunk
+    if (groups % CG == 0) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    const uint32_t addr = lane_addr + ((groups / CG) % S) * slot_bytes + (groups % CG) * D * 32;
+    for (int d = 0; d < tiles - groups * D; ++d) {
+      uint32_t one[1][L];
+      load_tiles(one, 1);
+      compute_tiles(one, addr + d * 32, 1);
+    }
+  }
+  store_acc<MT>(partial + ((size_t)split * m + row0) * N + tn * 16, acc, mb, N, lane);
+}
+
+template <int K2, int CB, int MT, int KW, int CG>
+__global__ void __launch_bounds__(KW * 32) gemm_ring_kernel(const half* __restrict__ xh,
+                                                           const uint32_t* __restrict__ trellis,
+                                                           float* __restrict__ partial, int m, int k_tiles,
+                                                           int n_tiles, int splits) {
+  extern __shared__ uint4 ring[];
+  ring_warp<K2, CB, MT, KW, CG>(xh, trellis, partial, m, k_tiles, n_tiles, splits,
+                                blockIdx.x * KW + (threadIdx.x >> 5), ring);
 }
 
 // ---- groups of sources: one launch per stage for all of them -----------------------------------------
@@ -581,6 +752,24 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* 
   if (local >= src.n_tiles * src.splits) return;
   gemm_warp<K2, CB, MT, DEPTH, true>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m,
                                      m, k_tiles, src.n_tiles, src.splits, local, xs);
+}
+
+// The same through the x ring (any m, 64-row blocks). Every source's items are a multiple of KW (n_tiles % KW == 0),
+// so a block's warps share one source and one K split, as in gemm_group_xs_kernel.
+template <int K2, int CB, int MT, int KW, int CG>
+__global__ void __launch_bounds__(KW * 32) gemm_group_ring_kernel(const half* __restrict__ xh_all,
+                                                                 const GroupSource* __restrict__ srcs, int num,
+                                                                 float* __restrict__ partial, int m, int k_tiles,
+                                                                 int total_items) {
+  extern __shared__ uint4 ring[];
+  const int item = blockIdx.x * KW + (threadIdx.x >> 5);
+  if (item >= total_items) return;
+  const int s = group_source_of_item(srcs, num, item);
+  const GroupSource& src = srcs[s];
+  const int local = item - (int)src.item_begin;
+  if (local >= src.n_tiles * src.splits) return;
+  ring_warp<K2, CB, MT, KW, CG>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
+                                k_tiles, src.n_tiles, src.splits, local, ring);
 }
 
 // Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
@@ -1084,8 +1273,6 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArg
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-constexpr int kDepth = 4;
-
 // Calls launch(std::integral_constant<int, MT>) for the 8-row groups m needs (MT = 1, 2, 4 or 8).
 template <typename Launch>
 int with_row_groups(int m, Launch&& launch) {
@@ -1140,6 +1327,46 @@ int launch_variant_gemm_xs(const half* xh, const uint32_t* trellis, float* parti
   auto kernel_of = [](auto mt) { return gemm_xs_kernel<K2, CB, decltype(mt)::value, kDepth>; };
   return launch_with_smem(m, xs_smem_bytes(m, kt, splits), dim3(nt * splits / kWarps), stream, kernel_of, xh, trellis,
                           partial, m, kt, nt, splits);
+}
+
+// Launches kernel_of(row groups, warps per block, chunk groups) over grid_x blocks per 64-row block of x, with the
+// ring's shared memory (at 64 rows: 27 KB with one group per chunk, 35 KB with two). `mode` = warps * 10 + chunk
+// groups: 81 or 82 (4-warp blocks measured no faster anywhere the dispatch uses the ring: ring-ab-h200).
+template <typename KernelOf, typename... Args>
+int launch_ring(int m, int mode, int grid_x, cudaStream_t stream, KernelOf kernel_of, Args... args) {
+  const dim3 grid(grid_x, (m + kRingMaxRows - 1) / kRingMaxRows);
+  return with_row_groups(m < kRingMaxRows ? m : kRingMaxRows, [&](auto mt) {
+    constexpr int MT = decltype(mt)::value;
+    using W8 = std::integral_constant<int, 8>;
+    if (mode == 81)
+      kernel_of(mt, W8{}, std::integral_constant<int, 1>{})<<<grid, 8 * 32, ring_smem(MT, 1), stream>>>(args...);
+    else
+      kernel_of(mt, W8{}, std::integral_constant<int, 2>{})<<<grid, 8 * 32, ring_smem(MT, 2), stream>>>(args...);
+  });
+}
+
+inline bool ring_mode_ok(int mode) { return mode == 81 || mode == 82; }
+
+template <int K2, int CB>
+int launch_variant_gemm_ring(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt,
+                             int splits, int mode, cudaStream_t stream) {
+  const int warps = mode / 10;
+  if (nt % warps) return -3;
+  auto kernel_of = [](auto mt, auto kw, auto cg) {
+    return gemm_ring_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, decltype(cg)::value>;
+  };
+  return launch_ring(m, mode, nt * splits / warps, stream, kernel_of, xh, trellis, partial, m, kt, nt, splits);
+}
+
+template <int K2, int CB>
+int launch_variant_gemm_group_ring(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
+                                   int total_items, int mode, cudaStream_t stream) {
+  const int warps = mode / 10;
+  if (total_items % warps) return -3;
+  auto kernel_of = [](auto mt, auto kw, auto cg) {
+    return gemm_group_ring_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, decltype(cg)::value>;
+  };
+  return launch_ring(m, mode, total_items / warps, stream, kernel_of, xh_all, srcs, num, partial, m, kt, total_items);
 }
 
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
@@ -1280,6 +1507,19 @@ int exl3_gemm_partial_xs(const void* xh, const void* trellis, void* partial, int
   return gemm_partial(true, xh, trellis, partial, m, k_tiles, n_tiles, splits, k2, codebook, stream);
 }
 
+// exl3_gemm_partial with x streamed through a shared-memory ring (any m, 64 rows per block row; mode = warps per
+// block * 10 + trellis groups per chunk: 81 or 82; n_tiles % 8 == 0); the same partials, bit for bit, at equal
+// splits.
+int exl3_gemm_partial_ring(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
+                           int splits, int k2, int codebook, int mode, void* stream) {
+  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles || !ring_mode_ok(mode)) return -3;
+  auto s = (cudaStream_t)stream;
+  auto x = (const half*)xh;
+  auto t = (const uint32_t*)trellis;
+  auto p = (float*)partial;
+  EXL3_DISPATCH(k2, codebook, launch_variant_gemm_ring, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
+}
+
 int exl3_had_in(const void* x, const void* suh, void* out, int rows, int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128) return -3;
   const int items = rows * (cols / 128);
@@ -1305,10 +1545,11 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 // y[m, total_cols] for a same-input group of sources sharing bits and codebook (table: GroupSource[num] in device
 // memory). Scratch: xh_all fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
 // xs_slice > 0 (m <= 64): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
-// longest slice of any source); the partials are the same bit for bit.
+// longest slice of any source); ring_mode (exl3_gemm_partial_ring's; any m; every source's N a multiple of 16 *
+// its warps): x through the ring instead. The partials are the same bit for bit.
 int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, void* partial, void* out, int m,
                       int k_tiles, int total_items, int total_cols, int k2, int codebook, int xs_slice,
-                      void* stream) {
+                      int ring_mode, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
@@ -1317,6 +1558,9 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int code = [&]() -> int {
+    if (ring_mode_ok(ring_mode))
+      EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_ring, (xh, srcs, num, p, m, k_tiles, total_items,
+                                                                   ring_mode, s))
     if (xs_slice > 0)
       EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_xs, (xh, srcs, num, p, m, k_tiles, total_items, xs_slice,
                                                                  s))
@@ -1503,7 +1747,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 13; }
+int exl3_abi_version(void) { return 14; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
