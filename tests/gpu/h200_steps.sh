@@ -11,6 +11,8 @@
 #                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench  [carry .marlin]               benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
 #                                         (MOEBENCH_ARGS=--marlin adds SGLang's Marlin int4 MoE, prebuilt in .marlin)
+# kernbench carry .marlin                 benchmarks/kernels.py --marlin on $KERNBENCH_SHAPES (default 2: 4096x14336),
+#                                         then benchmarks/ring_ab.py when $RING_ARGS is set (may be empty)
 # parity-moe / parity-rs / parity-r7 / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our
 #                                         kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; an R7 fixture; GLM-4.5 / DeepSeek-V3 hybrids (shared experts); a dense
@@ -114,6 +116,17 @@ run_step() {
       ${MOEBENCH_ARGS:-} \
       2>&1 | tee "$work/moe.txt" | grep -v "^ROW" | tail -14
     cp benchmarks/results/moe-* "$work/" 2>/dev/null
+    ;;
+  kernbench)  # dense linear anchors: benchmarks/kernels.py with SGLang's GPTQ-Marlin (needs .marlin; $KERNBENCH_SHAPES,
+    # one or two shapes per call), then benchmarks/ring_ab.py ($RING_ARGS); logs and results kept in the step's tgz
+    site_env
+    timeout "${KERNBENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --marlin --shapes "${KERNBENCH_SHAPES:-2}" \
+      --bits 4 --ms 1,8,16,32,64,128,256 --name kernels-marlin 2>&1 | tee "$work/kernels.txt" | grep -v "^ROW" | tail -14
+    if [ -n "${RING_ARGS+x}" ]; then
+      timeout "${RING_TIMEOUT:-300}" python3 benchmarks/ring_ab.py ${RING_ARGS} 2>&1 | tee "$work/ring.txt" |
+        grep -v "^{" | tail -14
+    fi
+    cp benchmarks/results/kernels-marlin* benchmarks/results/ring-ab* "$work/" 2>/dev/null
     ;;
   parity-moe)
     site_env
