@@ -40,6 +40,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def compiled_library(tmp_path_factory) -> Path:
+    """Our kernel library compiled here for sm_90, once per test run (about three minutes on two cores): the CPU
+    tests call its host-side code and its argument checks."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    if ck.find_nvcc() is None:
+        pytest.skip("needs nvcc")
+    return ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90")
+
+
+@pytest.fixture(scope="session")
 def golden() -> dict[str, torch.Tensor]:
     """exllamav3 1.6.5's own outputs recorded on the H200 (tests/oracle/record_exllamav3.py)."""
     return load_file(str(DATA / "exllamav3_golden.safetensors"))

@@ -39,11 +39,9 @@ def test_no_nvcc_is_a_clear_error(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """The kernel library compiled here (about a minute on two cores), shared by the tests below."""
-    if ck.find_nvcc() is None:
-        pytest.skip("needs nvcc")
-    lib = ctypes.CDLL(str(ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90")))
+def compiled(compiled_library):
+    """The kernel library compiled once per test run (conftest.compiled_library), loaded for the tests below."""
+    lib = ctypes.CDLL(str(compiled_library))
     lib.exl3_group_probe.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
                                      ctypes.c_void_p]
     return lib

@@ -91,10 +91,9 @@ def _emulated_group(experts_by_ptr: dict[int, tuple], codebook: Codebook):
 
 
 @pytest.fixture(scope="module")
-def compiled_lib(tmp_path_factory):
-    if ck.find_nvcc() is None:
-        pytest.skip("needs nvcc (the glue kernels' host code)")
-    return ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90")
+def compiled_lib(compiled_library):
+    """The glue kernels' host code: the library compiled once per test run (conftest.compiled_library)."""
+    return compiled_library
 
 
 @pytest.mark.slow
