@@ -8,6 +8,8 @@ again after every row, so a run cut short keeps what it measured.
   python benchmarks/e2e.py [--bits 2,3,4] [--backend cuda|torch|exllamav3|triton] [--workdir /tmp/e2e]
                            [--variant SGLANG_EXL3_FUSED_MAX_M=32 ...]  (the first EXL3 model again, with that env)
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
+  python benchmarks/e2e.py --profile-steps 16 ...   (also: where a decode step's GPU time goes, per kernel category,
+                                                     at batch 1 and 64: e2e-profile-<gpu>.{json,md})
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
+from benchmarks.step_profile import profile_decode  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 from sglang_exl3.synth.exl3_writer import SHAPES  # noqa: E402
 
@@ -55,20 +58,41 @@ def measure(base: str) -> dict:
     return out
 
 
-def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int) -> dict:
+PROFILE_BATCHES = (1, 64)
+
+
+def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int,
+                      profile_steps: int = 0) -> dict:
+    """One server: its e2e row, and with profile_steps its per-step kernel breakdown at PROFILE_BATCHES (in
+    row["profile"], {batch: {category: us per step}})."""
     log = out / f"e2e-server-{label}.log"
     t0 = time.time()
     proc = launch(path, port, ["--mem-fraction-static", "0.85", "--cuda-graph-max-bs-decode", "64", *extra],
                   env=env, log_path=log)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=1200)
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, proc, timeout=1200)
         row = {"model": label, "ready_s": time.time() - t0}
-        row.update(measure(f"http://127.0.0.1:{port}"))
+        row.update(measure(base))
         row["weights_gb"] = _weights_mem_gb(log)
         row["kv_tokens"] = kv_tokens(log)
+        if profile_steps:
+            ids = [[(i * 53 + j * 13) % 120000 + 100 for j in range(32)] for i in range(max(PROFILE_BATCHES))]
+            row["profile"] = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
+                              for bs in PROFILE_BATCHES}
         return row
     finally:
         stop(proc)
+
+
+def profile_rows(rows: list[dict]) -> list[dict]:
+    """Long-form rows (model, batch, category, us per step) of the served rows that carry a profile."""
+    out = []
+    for row in rows:
+        for bs, cats in row.get("profile", {}).items():
+            out += [{"model": row["model"], "batch": bs, "category": c, "us_per_step": round(us, 2)}
+                    for c, us in cats.items()]
+    return out
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -100,6 +124,8 @@ def main() -> int:
                     help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
                          "disk that holds it)")
     ap.add_argument("--replot", type=Path, help="redraw the plot beside this results JSON and exit")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many decode steps per model at batch 1 and 64 (e2e-profile-<gpu>)")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                     help="serve the first EXL3 model again with these SGLANG_EXL3_* settings (repeatable): an A/B in "
                          "the same run")
@@ -126,6 +152,9 @@ def main() -> int:
         print("ROW " + json.dumps(row), flush=True)
         path = write_results(name, head, rows, cols)
         plot(rows, path.with_suffix(".png"), _title(head))
+        if args.profile_steps:
+            write_results(f"{name}-profile", {**head, "profile_steps": args.profile_steps}, profile_rows(rows),
+                          ["model", "batch", "category", "us_per_step"])
 
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):
         ckpt = work / f"{args.shape}-exl3-{bits}bpw"
@@ -133,7 +162,8 @@ def main() -> int:
             subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--arch", arch, "--shape", args.shape,
                             "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
         exl3_env = {"SGLANG_EXL3_BACKEND": args.backend}
-        add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i))
+        add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
+                              args.profile_steps))
         for j, variant in enumerate(args.variant if i == 0 else []):
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
@@ -144,7 +174,7 @@ def main() -> int:
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
             add(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"], {},
-                                  work, 32100))
+                                  work, 32100, args.profile_steps))
     return 0
 
 

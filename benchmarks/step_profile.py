@@ -1,0 +1,82 @@
+"""Where a decode step's GPU time goes: SGLang's own profiler (`POST /start_profile`, torch profiler traces) on a
+running server while a batch decodes, summed per kernel category per step. `benchmarks/e2e.py --profile-steps N`
+runs it for each served model at batch 1 and 64, so the EXL3 model and its bf16 twin are compared in one run.
+
+The categories are matched on kernel names, first match wins: our GEMMs contain "gemm" too, so they come first, and
+flashinfer's norm and activation kernels before its attention.
+`span_us` is the time from a step's first kernel to its last, averaged: beside the kernel sum it shows the GPU idle
+time a step spends waiting on the host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gzip
+import json
+import re
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+CATEGORIES = [
+    ("exl3 GEMM", r"gemm_ring_kernel|gemm_xs_kernel|gemm_group|gemm_kernel<|moe_decode|moe_mid|moe_tail"),
+    ("exl3 rotations", r"had_in|had_out"),
+    ("exl3 reconstruct", r"reconstruct"),
+    ("dense GEMM", r"gemm|cutlass|xmma|nvjet|cublas"),
+    ("norm", r"rmsnorm|RMSNorm|layernorm|LayerNorm"),
+    ("activation", r"silu|gelu|act_and_mul"),
+    ("rope", r"rotary|Rotary|rope"),
+    ("attention", r"flashinfer|attention|Attention|fmha|BatchDecode|BatchPrefill|paged"),
+    ("elementwise (casts, adds, copies)", r"elementwise|copy|Copy|cast|fill"),
+    ("sampling", r"sampl|softmax|argmax|topk|top_k"),
+]
+
+
+def category(kernel: str) -> str:
+    for name, pattern in CATEGORIES:
+        if re.search(pattern, kernel):
+            return name
+    return "other"
+
+
+def trace_breakdown(trace: Path, steps: int) -> dict:
+    """Per-step microseconds by category from one torch-profiler trace (.json or .json.gz) of `steps` steps."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    if not events:
+        raise ValueError(f"{trace}: no GPU kernel events (was the profile taken with activities=['GPU']?)")
+    per = defaultdict(float)
+    for e in events:
+        per[category(e["name"])] += float(e["dur"])
+    start = min(float(e["ts"]) for e in events)
+    end = max(float(e["ts"]) + float(e["dur"]) for e in events)
+    out = {name: us / steps for name, us in sorted(per.items(), key=lambda kv: -kv[1])}
+    out["kernels_total"] = sum(per.values()) / steps
+    out["span_us"] = (end - start) / steps
+    out["kernel_count"] = len(events) / steps
+    return out
+
+
+def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: list[list[int]]) -> dict:
+    """Start `batch` greedy decodes on the server at `base`, profile `steps` of its steps once they run, and return
+    trace_breakdown of the trace SGLang wrote. `post(url, json)` is the caller's HTTP helper."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params = {"max_new_tokens": 8 * steps + 64, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        jobs = [pool.submit(post, base + "/generate", {"input_ids": p, "sampling_params": params})
+                for p in ids[:batch]]
+        time.sleep(1.0)  # past the prefill, into steady decoding
+        # answers (plain text) once the steps are profiled and the trace is written
+        req = urllib.request.Request(base + "/start_profile", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"output_dir": str(out_dir), "num_steps": steps,
+                                                      "activities": ["GPU"]}).encode())
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+        for job in jobs:
+            job.result()
+    traces = sorted(out_dir.rglob("*.trace.json*"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise RuntimeError(f"SGLang wrote no trace under {out_dir}")
+    return trace_breakdown(traces[-1], steps)

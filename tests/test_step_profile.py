@@ -1,0 +1,52 @@
+"""benchmarks/step_profile.py: kernel names land in the intended categories (ours before cuBLAS's, whose names also
+contain "gemm"), and a trace in the torch profiler's format sums to microseconds per step."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.step_profile import category, trace_breakdown  # noqa: E402
+
+
+@pytest.mark.parametrize("kernel, want", [
+    ("void (anonymous namespace)::gemm_ring_kernel<8, 2, 8, 8, 1>(__half const*, unsigned int const*, float*, int)",
+     "exl3 GEMM"),
+    ("void (anonymous namespace)::gemm_group_xs_kernel<8, 2, 1, 4>(__half const*, GroupSource const*)", "exl3 GEMM"),
+    ("void (anonymous namespace)::had_out_group_kernel<__nv_bfloat16>(float const*, GroupSource const*)",
+     "exl3 rotations"),
+    ("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "dense GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "dense GEMM"),
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", "attention"),
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>", "norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda>", "elementwise"
+     " (casts, adds, copies)"),
+    ("void some_unknown_kernel<1>()", "other"),
+])
+def test_kernel_categories(kernel, want):
+    assert category(kernel) == want
+
+
+def test_trace_breakdown_sums_per_step(tmp_path):
+    events = [{"cat": "kernel", "name": "gemm_ring_kernel<8, 1, 8, 8, 1>", "ts": 100.0, "dur": 30.0},
+              {"cat": "kernel", "name": "had_in_kernel<__nv_bfloat16>", "ts": 131.0, "dur": 2.0},
+              {"cat": "kernel", "name": "nvjet_hsh_64x8", "ts": 140.0, "dur": 10.0},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 90.0, "dur": 5.0},  # host side: not counted
+              {"cat": "kernel", "name": "gemm_ring_kernel<8, 1, 8, 8, 1>", "ts": 200.0, "dur": 30.0},
+              {"cat": "kernel", "name": "had_in_kernel<__nv_bfloat16>", "ts": 240.0, "dur": 2.0}]
+    trace = tmp_path / "x-TP-0.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = trace_breakdown(trace, steps=2)
+    assert got["exl3 GEMM"] == 30.0 and got["exl3 rotations"] == 2.0 and got["dense GEMM"] == 5.0
+    assert got["kernels_total"] == 37.0 and got["span_us"] == 71.0 and got["kernel_count"] == 2.5
+    assert list(got)[0] == "exl3 GEMM"  # largest first
+    empty = tmp_path / "empty.trace.json"
+    empty.write_text(json.dumps({"traceEvents": events[3:4]}))
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        trace_breakdown(empty, steps=1)
