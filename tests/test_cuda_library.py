@@ -75,6 +75,11 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_gemm_partial_xs(None, None, None, 65, 16, 4, 1, 8, 1, None) == -3  # x in smem: m <= 64
     assert lib.exl3_gemm_partial_xs(None, None, None, 4, 16, 6, 1, 8, 1, None) == -3  # N tiles not a multiple of 4
     assert lib.exl3_gemm_partial_xs(None, None, None, 16, 256, 4, 1, 8, 1, None) == -3  # 131 KB x slice > 96 KB
+    lib.exl3_gemm_partial_ring.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 8, 1, 42, None) == -3  # not a built mode
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 81, None) == -3  # N tiles % 8
+    assert lib.exl3_gemm_partial_ring(None, None, None, 0, 16, 8, 1, 8, 1, 82, None) == -3  # m = 0
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 9, 1, 81, None) == -1  # 4.5 bits in MCG
 
 
 @pytest.mark.slow
