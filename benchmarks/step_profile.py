@@ -19,6 +19,8 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+TRACE_WAIT_S = 120  # SGLang exports the trace after the profiled steps, from its scheduler process
+
 CATEGORIES = [
     ("exl3 GEMM", r"gemm_ring_kernel|gemm_xs_kernel|gemm_group|gemm_kernel<|moe_decode|moe_mid|moe_tail"),
     ("exl3 rotations", r"had_in|had_out"),
@@ -63,12 +65,13 @@ def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: 
     """Start `batch` greedy decodes on the server at `base`, profile `steps` of its steps once they run, and return
     trace_breakdown of the trace SGLang wrote. `post(url, json)` is the caller's HTTP helper."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    params = {"max_new_tokens": 8 * steps + 64, "temperature": 0, "ignore_eos": True}
+    # long enough to still be decoding after the 1 s lead-in and the profiled steps, even at ~200 steps/s
+    params = {"max_new_tokens": 1024 + 8 * steps, "temperature": 0, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
         jobs = [pool.submit(post, base + "/generate", {"input_ids": p, "sampling_params": params})
                 for p in ids[:batch]]
         time.sleep(1.0)  # past the prefill, into steady decoding
-        # answers (plain text) once the steps are profiled and the trace is written
+        # answers once profiling has started; the trace is written after the steps, possibly after the decodes end
         req = urllib.request.Request(base + "/start_profile", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"output_dir": str(out_dir), "num_steps": steps,
                                                       "activities": ["GPU"]}).encode())
@@ -76,7 +79,10 @@ def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: 
             r.read()
         for job in jobs:
             job.result()
-    traces = sorted(out_dir.rglob("*.trace.json*"), key=lambda p: p.stat().st_mtime)
-    if not traces:
-        raise RuntimeError(f"SGLang wrote no trace under {out_dir}")
+    deadline = time.monotonic() + TRACE_WAIT_S
+    while not (traces := sorted(out_dir.rglob("*.trace.json*"), key=lambda p: p.stat().st_mtime)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"SGLang wrote no trace under {out_dir} within {TRACE_WAIT_S} s")
+        time.sleep(1.0)
+    time.sleep(2.0)  # a trace that just appeared may still be being written
     return trace_breakdown(traces[-1], steps)
