@@ -129,7 +129,7 @@ def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
 
     calls = []
     monkeypatch.setattr(ck, "had_in", lambda x, suh: x)
-    monkeypatch.setattr(ck, "had_out", lambda acc, svh: acc[0].half())
+    monkeypatch.setattr(ck, "had_out", lambda acc, svh, dtype=torch.float16: acc[0].to(dtype))
     monkeypatch.setattr(ck, "default_splits", lambda kt, nt, device: 5)
     monkeypatch.setattr(ck, "gemm_rotated_partial", lambda xh, tiles, cb, splits, xs=None, ring=0: (
         calls.append((xh.shape[0], ring, splits)), torch.zeros(1, xh.shape[0], tiles.shape[0] * 16))[1])

@@ -29,7 +29,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 14
+ABI_VERSION = 15
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -207,9 +207,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_gemm_partial.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial_xs.argtypes = [p, p, p, i, i, i, i, i, i, p]
     lib.exl3_gemm_partial_ring.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
-    lib.exl3_had_in.argtypes = [p, p, p, i, i, p]
-    lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, p]
-    lib.exl3_group_linear.argtypes = [p, p, i, p, p, p, i, i, i, i, i, i, i, i, p]
+    lib.exl3_had_in.argtypes = [p, i, p, p, i, i, p]
+    lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, i, p]
+    lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
@@ -296,29 +296,41 @@ def _check_fp16(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                          f"{list(t.shape)} on {t.device}")
 
 
+def _check_act(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """An activation our kernels read or write: fp16, or bf16 (converted as it is read or written)."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or not t.is_cuda or not t.is_contiguous() or \
+            tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be a contiguous CUDA fp16 or bf16 tensor {list(shape)}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+
+
 def had_in(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
-    """fp16(had_r_128(x * suh)) for fp16 x [m, K] (bit-identical to the codec's had_r_128 with pre_scale)."""
-    _check_fp16("x", x, (x.shape[0], x.shape[-1]))
+    """fp16(had_r_128(x * suh)) for fp16 or bf16 x [m, K] (bit-identical to the codec's had_r_128 with pre_scale on
+    x cast to fp16: bf16 is rounded to fp16 as it is read, so the model's bf16 activations need no cast kernel)."""
+    _check_act("x", x, (x.shape[0], x.shape[-1]))
     _check_fp16("suh", suh, (x.shape[1],))
-    out = torch.empty_like(x)
-    _check(load_library().exl3_had_in(x.data_ptr(), suh.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                                      _stream(x)), "had_in")
+    out = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    _check(load_library().exl3_had_in(x.data_ptr(), int(x.dtype == torch.bfloat16), suh.data_ptr(), out.data_ptr(),
+                                      x.shape[0], x.shape[1], _stream(x)), "had_in")
     return out
 
 
-def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """had_r_128(sum over splits of acc [S, m, N] (fp32 or fp16), post_scale=svh) -> fp16 [m, N]. `out` may be
-    acc itself when there is one fp16 split (each 128-block is read whole before it is written)."""
+def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """had_r_128(sum over splits of acc [S, m, N] (fp32 or fp16), post_scale=svh) -> [m, N] of `dtype`: fp16, or bf16
+    rounded from the fp16 result (what casting it afterwards gives). `out` may be acc itself when there is one fp16
+    split (each 128-block is read whole before it is written)."""
     splits, m, n = acc.shape
     if acc.dtype not in (torch.float16, torch.float32) or not acc.is_contiguous():
         raise ValueError(f"acc must be contiguous fp32 or fp16 [splits, m, N], got {acc.dtype}")
     _check_fp16("svh", svh, (n,))
     if out is None:
-        out = torch.empty(m, n, dtype=torch.float16, device=acc.device)
+        out = torch.empty(m, n, dtype=dtype, device=acc.device)
     else:
-        _check_fp16("out", out, (m, n))
+        _check_act("out", out, (m, n))
     _check(load_library().exl3_had_out(acc.data_ptr(), int(acc.dtype == torch.float32), svh.data_ptr(),
-                                       out.data_ptr(), splits, m, n, _stream(acc)), "had_out")
+                                       out.data_ptr(), int(out.dtype == torch.bfloat16), splits, m, n, _stream(acc)),
+           "had_out")
     return out
 
 
@@ -467,7 +479,8 @@ def fused_crossover_m() -> int:
 def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: Codebook, splits: int | None = None, path: str | None = None,
                 fused_max_m: int | None = None) -> torch.Tensor:
-    """y fp16 [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 x [m, K] and prepare()d weights.
+    """y [m, N] = had(had(x * suh) @ W_hat) * svh for fp16 or bf16 x [m, K] (y of x's dtype, bf16 rounded from the
+    fp16 result) and prepare()d weights.
     `path`: 'fused', 'reconstruct' (W' = W_hat H r diag(svh) per column slice, then had_in(x) @ W' in cuBLAS),
     'reconstruct_staged' (W_hat, cuBLAS, then the output rotation over m x N) or None (fused up to `fused_max_m`
     rows, default fused_crossover_m(), else 'reconstruct_staged': on the H200 the rotated reconstruct measured 168
@@ -487,7 +500,7 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
             if m > GLOBAL_LOADS_MAX_M and not xs:
                 path = "reconstruct_staged"
     if path == "fused":
-        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs, ring=ring), svh)
+        return had_out(gemm_rotated_partial(xh, tiles, codebook, splits, xs=xs, ring=ring), svh, dtype=x.dtype)
     if path not in ("reconstruct", "reconstruct_staged"):
         raise ValueError(f"unknown EXL3 linear path {path!r}")
     rotated = path == "reconstruct"
@@ -505,7 +518,7 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
         else:
             reconstruct(tiles, codebook, (t0, count), out=w)
         torch.matmul(xh, w, out=y[0, :, t0 * 16:(t0 + count) * 16])
-    return y[0] if rotated else had_out(y, svh)
+    return y[0].to(x.dtype) if rotated else had_out(y, svh, dtype=x.dtype)
 
 
 def dense_experts(tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: Codebook, ones: torch.Tensor,
@@ -813,17 +826,19 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk:
 def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
               total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0,
               ring: int = 0) -> torch.Tensor:
-    """fp16 [m, total_cols]: the three launches of a group over a table of `num` sources (x fp16 rows as the table's
-    x_row fields address them). Sources with n_tiles = 0 are skipped; the items and columns counted for them may
-    be an upper bound. xs_slice > 0: x staged in shared memory for K slices up to that many tiles; `ring` (a
-    RING_MODES mode): x through the shared-memory ring instead (any m)."""
-    _check_fp16("x", x, (x.shape[0], k_tiles * 16))
+    """[m, total_cols] of x's dtype: the three launches of a group over a table of `num` sources (x fp16 or bf16
+    rows as the table's x_row fields address them; bf16 in and out give what casting around an fp16 call gives).
+    Sources with n_tiles = 0 are skipped; the items and columns counted for them may be an upper bound. xs_slice > 0:
+    x staged in shared memory for K slices up to that many tiles; `ring` (a RING_MODES mode): x through the
+    shared-memory ring instead (any m)."""
+    _check_act("x", x, (x.shape[0], k_tiles * 16))
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, total_cols, dtype=torch.float16, device=x.device)
-    _check(load_library().exl3_group_linear(x.data_ptr(), table.data_ptr(), num, xh.data_ptr(), partial.data_ptr(),
-                                            out.data_ptr(), m, k_tiles, total_items, total_cols, k2, codebook,
-                                            xs_slice, ring, _stream(x)), "group linear")
+    out = torch.empty(m, total_cols, dtype=x.dtype, device=x.device)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _check(load_library().exl3_group_linear(x.data_ptr(), bf16, table.data_ptr(), num, xh.data_ptr(),
+                                            partial.data_ptr(), out.data_ptr(), bf16, m, k_tiles, total_items,
+                                            total_cols, k2, codebook, xs_slice, ring, _stream(x)), "group linear")
     return out
 
 
@@ -982,7 +997,8 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
 
 
 def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> torch.Tensor:
-    """fp16 [m, sum N] = the concatenated outputs of every source of the group for fp16 x [m, K]. `ring`: a
+    """[m, sum N] = the concatenated outputs of every source of the group for fp16 or bf16 x [m, K] (y of x's
+    dtype). `ring`: a
     RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load kernels (m <= 64), or
     None for the group's policy (Exl3Group.ring_mode)."""
     m = x.shape[0]

@@ -4,7 +4,8 @@ through them and CUDA graphs capture them: `torch.ops.exl3.gemm` (one EXL3 linea
 experts on their routed tokens only: one source per (token, expert) pair in five or two launches, or per tile of
 expert-sorted rows).
 
-y[m, N] (fp16) = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K).
+y[m, N] = had_r_128(had_r_128(x * suh) @ W_hat) * svh, for fp16 x [m, K] (K = packed K), or bf16 x on our CUDA
+kernels, which read and write the model's bf16 activations directly (y has x's dtype).
 Everything the op needs is a tensor argument or an int: no Python objects, no host syncs.
 """
 
@@ -58,27 +59,31 @@ def _cuda_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: t
 @torch.library.custom_op("exl3::gemm", mutates_args=())
 def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
               w_hat: torch.Tensor | None, codebook: int, backend: int) -> torch.Tensor:
-    """x: fp16 [m, K] contiguous; trellis int16 [K/16, N/16, 16*bits] (for Backend.CUDA: [N/16, K/16, 16*bits],
-    see cuda_trellis.prepare); suh fp16 [K]; svh fp16 [N]."""
-    if backend == Backend.EXLLAMAV3:
-        return _exllamav3_gemm(x, trellis, suh, svh, codebook)
+    """x: fp16 [m, K] contiguous (bf16 also for Backend.CUDA; y has x's dtype); trellis int16 [K/16, N/16, 16*bits]
+    (for Backend.CUDA: [N/16, K/16, 16*bits], see cuda_trellis.prepare); suh fp16 [K]; svh fp16 [N]."""
     if backend == Backend.CUDA:
         return _cuda_gemm(x, trellis, suh, svh, codebook)
-    if backend == Backend.TRITON:
-        return _triton_gemm(x, trellis, suh, svh, codebook)
-    return _torch_gemm(x, trellis, suh, svh, w_hat, codebook)
+    x16 = x.to(torch.float16)  # the other backends compute in fp16
+    if backend == Backend.EXLLAMAV3:
+        y = _exllamav3_gemm(x16, trellis, suh, svh, codebook)
+    elif backend == Backend.TRITON:
+        y = _triton_gemm(x16, trellis, suh, svh, codebook)
+    else:
+        y = _torch_gemm(x16, trellis, suh, svh, w_hat, codebook)
+    return y.to(x.dtype)
 
 
 @exl3_gemm.register_fake
 def _(x, trellis, suh, svh, w_hat, codebook, backend):
     n_tiles = trellis.shape[0] if backend == Backend.CUDA else trellis.shape[1]
-    return x.new_empty((x.shape[0], n_tiles * 16), dtype=torch.float16)
+    return x.new_empty((x.shape[0], n_tiles * 16))
 
 
 @torch.library.custom_op("exl3::gemm_group", mutates_args=())
 def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
                     table: torch.Tensor, meta: list[int], codebook: int) -> torch.Tensor:
-    """Our CUDA kernels only: fp16 [m, sum N] = the concatenated outputs of every source for fp16 x [m, K].
+    """Our CUDA kernels only: [m, sum N] = the concatenated outputs of every source for fp16 or bf16 x [m, K] (of
+    x's dtype).
     `tiles` are prepare()d; `table` and `meta` come from cuda_trellis.make_group (Exl3Group.meta)."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, exl3_linear, group_linear
 
@@ -91,7 +96,7 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
 
 @exl3_gemm_group.register_fake
 def _(x, tiles, suh, svh, table, meta, codebook):
-    return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16), dtype=torch.float16)
+    return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16))
 
 
 def _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta):

@@ -135,14 +135,15 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
     return make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards], first.codebook)
 
 
-def run_group(x16: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
-    return torch.ops.exl3.gemm_group(x16.contiguous(), [s.trellis for s in shards], [s.suh for s in shards],
+def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
+    return torch.ops.exl3.gemm_group(x.contiguous(), [s.trellis for s in shards], [s.suh for s in shards],
                                      [s.svh for s in shards], group.table, group.meta, group.codebook)
 
 
 def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torch.Tensor:
-    """fp16 x [m, <=K] -> fp16 [m, s.out_features]: input zero-padded to the packed K, output trimmed to
-    the logical width (or zero-padded, for an lm_head partition wider than the packed vocab)."""
+    """x [m, <=K] -> [m, s.out_features] of x's dtype (fp16, or bf16 on our CUDA kernels): input zero-padded to the
+    packed K, output trimmed to the logical width (or zero-padded, for an lm_head partition wider than the packed
+    vocab)."""
     x16 = pad_input(x16, s.in_features, where).contiguous()
     y = torch.ops.exl3.gemm(x16, s.trellis, s.suh, s.svh, s.w_hat, int(s.codebook), backend)
     n = y.shape[-1]
@@ -255,16 +256,18 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     """A linear layer's EXL3 forward over its shards (`exl3_shards`, `exl3_group`, `exl3_backend`): one group launch
     or one GEMM per shard, then the bias."""
     lead, width = x.shape[:-1], x.shape[-1]
-    x16 = pad_input(x.reshape(-1, width).to(torch.float16), layer.exl3_shards[0].in_features, where)
+    # our CUDA kernels read and write bf16 activations themselves (the values of casting around an fp16 call)
+    act = torch.bfloat16 if x.dtype == torch.bfloat16 and layer.exl3_backend == Backend.CUDA else torch.float16
+    xa = pad_input(x.reshape(-1, width).to(act), layer.exl3_shards[0].in_features, where)
     if layer.exl3_group is not None:
-        y = run_group(x16, layer.exl3_shards, layer.exl3_group)
+        y = run_group(xa, layer.exl3_shards, layer.exl3_group)
     else:
-        outs = [run_shard(x16, s, layer.exl3_backend, where) for s in layer.exl3_shards]
+        outs = [run_shard(xa, s, layer.exl3_backend, where) for s in layer.exl3_shards]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-    if output_check.enabled(layer, x16):
-        want = torch.cat([output_check.shard_reference(x16, s) for s in layer.exl3_shards], dim=-1)
+    if output_check.enabled(layer, xa):
+        want = torch.cat([output_check.shard_reference(xa, s) for s in layer.exl3_shards], dim=-1)
         path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
-        output_check.report(layer, where, path, x16, y, want)
+        output_check.report(layer, where, path, xa, y, want)
     if bias is not None:
         y = y.float() + bias.float()
     return y.to(x.dtype).reshape(*lead, y.shape[-1])

@@ -184,10 +184,33 @@ def test_reconstruct_path_in_column_slices(monkeypatch):
     assert torch.isfinite(y).all() and _rel(y, ref) < 3e-3
 
 
+@pytest.mark.parametrize("m", [1, 9, 16, 64, 100, 200])
+def test_bf16_activations_equal_casting_around_fp16(m):
+    """bf16 x read by had_in and bf16 y written by had_out (every dense path by m: global / x-slice, the x ring,
+    reconstruct + cuBLAS; a group) are bit-identical to casting x to fp16 before an fp16 call and y to bf16 after."""
+    trellis, suh, svh, x = _case(512, 384, 4, m, seed=90 + m)
+    t, s, v = ck.prepare(trellis.cuda()), suh.cuda(), svh.cuda()
+    xb = (x.float() * 4).bfloat16().cuda()
+    for path in (None, "reconstruct"):
+        want = ck.exl3_linear(xb.half(), t, s, v, Codebook.MCG, path=path).bfloat16()
+        got = ck.exl3_linear(xb, t, s, v, Codebook.MCG, path=path)
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got.float()).all(), f"path={path}"
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"path={path}"
+    srcs = [_case(512, n, 3, 1, seed=95 + i) for i, n in enumerate((256, 128))]
+    group = ck.make_group([ck.prepare(tr.cuda()) for tr, _, _, _ in srcs], [su.cuda() for _, su, _, _ in srcs],
+                          [sv.cuda() for _, _, sv, _ in srcs], Codebook.MUL1)
+    if m <= ck.FUSED_MAX_M or ck.uses_ring(m, 8):
+        want = ck.group_linear(xb.half(), group).bfloat16()
+        got = ck.group_linear(xb, group)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_inputs_are_refused_before_launch():
     t = ck.prepare(_trellis(8, 8, 4, seed=1).cuda())
     with pytest.raises(ValueError, match="suh must be a contiguous CUDA fp16 tensor"):
         ck.had_in(torch.randn(2, 128, device="cuda").half(), torch.randn(128, device="cuda"))
+    with pytest.raises(ValueError, match="x must be a contiguous CUDA fp16 or bf16 tensor"):
+        ck.had_in(torch.randn(2, 128, device="cuda"), torch.randn(128, device="cuda").half())
     with pytest.raises(ValueError, match="at most 64 rows"):
         ck.gemm_rotated_partial(torch.randn(65, 128, device="cuda").half(), t, Codebook.MCG)
     with pytest.raises(ValueError, match="prepare"):

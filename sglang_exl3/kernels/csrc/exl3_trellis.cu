@@ -955,17 +955,29 @@ __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t
     op[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sp[i]));
 }
 
-template <typename T>
-__device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t split_stride, int splits,
-                                              const half* __restrict__ svh, half* __restrict__ out, int lane) {
+// 4 consecutive fp16 outputs stored as fp16, or rounded to bf16: exactly what casting the fp16 output afterwards does
+__device__ __forceinline__ void store4(half* __restrict__ out, const half (&v)[4]) {
+  *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(v);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* __restrict__ out, const half (&v)[4]) {
   uint2 o;
-  half(&op)[4] = *reinterpret_cast<half(*)[4]>(&o);
-  had_out_values(acc, split_stride, splits, svh, lane, op);
-  *reinterpret_cast<uint2*>(out + lane * 4) = o;
+  __nv_bfloat16* op = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) op[i] = __float2bfloat16_rn(__half2float(v[i]));
+  *reinterpret_cast<uint2*>(out) = o;
 }
 
-// out[r, :] = fp16(r_scale * H(fp16(x[r, :] * suh)))  (x, out fp16 [rows, cols]; one warp per 128 block)
-__global__ void had_in_kernel(const half* __restrict__ x, const half* __restrict__ suh, half* __restrict__ out,
+template <typename T, typename O>
+__device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t split_stride, int splits,
+                                              const half* __restrict__ svh, O* __restrict__ out, int lane) {
+  half op[4];
+  had_out_values(acc, split_stride, splits, svh, lane, op);
+  store4(out + lane * 4, op);
+}
+
+// out[r, :] = fp16(r_scale * H(fp16(x[r, :] * suh)))  (x fp16 or bf16, out fp16 [rows, cols]; one warp per 128 block)
+template <typename T>
+__global__ void had_in_kernel(const T* __restrict__ x, const half* __restrict__ suh, half* __restrict__ out,
                               int rows, int cols) {
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128;
@@ -974,9 +986,10 @@ __global__ void had_in_kernel(const half* __restrict__ x, const half* __restrict
   had_in_block(x + at, suh + (item % blocks) * 128, out + at, threadIdx.x & 31);
 }
 
-// out[r, :] = fp16(fp16(r_scale * H(sum_s acc[s, r, :])) * svh)   (acc fp32 or fp16 [splits, rows, cols])
-template <typename T>
-__global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict__ svh, half* __restrict__ out,
+// out[r, :] = fp16(fp16(r_scale * H(sum_s acc[s, r, :])) * svh)   (acc fp32 or fp16 [splits, rows, cols]; out fp16,
+// or bf16 rounded from that fp16)
+template <typename T, typename O>
+__global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict__ svh, O* __restrict__ out,
                                int splits, int rows, int cols) {
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128;
@@ -1000,8 +1013,10 @@ __global__ void had_in_group_kernel(const T* __restrict__ x, const GroupSource* 
 }
 
 // Group: out[r, col_begin_s + c] = had_out of source s's partials, for the concatenated output [rows, total_cols]
+// (fp16, or bf16 rounded from it)
+template <typename O>
 __global__ void had_out_group_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ srcs, int num,
-                                     half* __restrict__ out, int rows, int total_cols) {
+                                     O* __restrict__ out, int rows, int total_cols) {
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = total_cols / 128;
   if (item >= rows * blocks) return;
@@ -1520,41 +1535,54 @@ int exl3_gemm_partial_ring(const void* xh, const void* trellis, void* partial, i
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm_ring, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
 }
 
-int exl3_had_in(const void* x, const void* suh, void* out, int rows, int cols, void* stream) {
+// x fp16, or bf16 (x_bf16: rounded to fp16 as it is read, exactly what casting it beforehand does)
+int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows, int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128) return -3;
   const int items = rows * (cols / 128);
-  had_in_kernel<<<(items + 7) / 8, 256, 0, (cudaStream_t)stream>>>((const half*)x, (const half*)suh, (half*)out,
-                                                                   rows, cols);
+  const dim3 grid((items + 7) / 8), block(256);
+  auto s = (cudaStream_t)stream;
+  if (x_bf16)
+    had_in_kernel<<<grid, block, 0, s>>>((const __nv_bfloat16*)x, (const half*)suh, (half*)out, rows, cols);
+  else
+    had_in_kernel<<<grid, block, 0, s>>>((const half*)x, (const half*)suh, (half*)out, rows, cols);
   return (int)cudaGetLastError();
 }
 
-int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, int splits, int rows, int cols,
-                 void* stream) {
+// out fp16, or bf16 (out_bf16: the fp16 result rounded to bf16, exactly what casting it afterwards does)
+int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, int out_bf16, int splits, int rows,
+                 int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128 || splits <= 0) return -3;
   const int items = rows * (cols / 128);
   const dim3 grid((items + 7) / 8), block(256);
-  if (acc_is_fp32)
-    had_out_kernel<float><<<grid, block, 0, (cudaStream_t)stream>>>((const float*)acc, (const half*)svh,
-                                                                    (half*)out, splits, rows, cols);
-  else
-    had_out_kernel<half><<<grid, block, 0, (cudaStream_t)stream>>>((const half*)acc, (const half*)svh,
-                                                                   (half*)out, splits, rows, cols);
+  auto s = (cudaStream_t)stream;
+  auto launch = [&](auto* o) {
+    if (acc_is_fp32)
+      had_out_kernel<<<grid, block, 0, s>>>((const float*)acc, (const half*)svh, o, splits, rows, cols);
+    else
+      had_out_kernel<<<grid, block, 0, s>>>((const half*)acc, (const half*)svh, o, splits, rows, cols);
+  };
+  if (out_bf16) launch((__nv_bfloat16*)out);
+  else launch((half*)out);
   return (int)cudaGetLastError();
 }
 
 // y[m, total_cols] for a same-input group of sources sharing bits and codebook (table: GroupSource[num] in device
-// memory). Scratch: xh_all fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
+// memory); x and y fp16, or bf16 (x_bf16, y_bf16: the same values as casting around an fp16 call). Scratch: xh_all
+// fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
 // xs_slice > 0 (m <= 64): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
 // longest slice of any source); ring_mode (exl3_gemm_partial_ring's; any m; every source's N a multiple of 16 *
 // its warps): x through the ring instead. The partials are the same bit for bit.
-int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, void* partial, void* out, int m,
-                      int k_tiles, int total_items, int total_cols, int k2, int codebook, int xs_slice,
-                      int ring_mode, void* stream) {
+int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, void* xh_all, void* partial, void* out,
+                      int y_bf16, int m, int k_tiles, int total_items, int total_cols, int k2, int codebook,
+                      int xs_slice, int ring_mode, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
-  had_in_group_kernel<half><<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
+  if (x_bf16)
+    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols);
+  else
+    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int code = [&]() -> int {
@@ -1567,7 +1595,10 @@ int exl3_group_linear(const void* x, const void* table, int num, void* xh_all, v
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
   if (code != 0) return code;
-  had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
+  if (y_bf16)
+    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (__nv_bfloat16*)out, m, total_cols);
+  else
+    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
   return (int)cudaGetLastError();
 }
 
@@ -1747,7 +1778,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 14; }
+int exl3_abi_version(void) { return 15; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
@@ -1776,6 +1807,39 @@ __device__ __forceinline__ float enc_err(float value, float x) {
 
 __device__ __forceinline__ bool enc_better(float v, int i, float best, int best_i) {
   return v < best || (v == best && i < best_i);
+}
+
+// The lowest index of least cost among cost[0, n), by the encoders' tie rule, reduced over the block; the result is
+// valid in thread 0 only. s_val / s_idx: one shared slot per warp. Ends after a barrier that its callers' next
+// barrier orders against.
+__device__ __forceinline__ int block_argmin(const float* cost, int n, float* s_val, int* s_idx) {
+  float best = INFINITY;
+  int best_i = 1 << 30;
+  for (int e = threadIdx.x; e < n; e += blockDim.x)
+    if (enc_better(cost[e], e, best, best_i)) {
+      best = cost[e];
+      best_i = e;
+    }
+  for (int off = 16; off > 0; off >>= 1) {
+    const float v = __shfl_down_sync(0xffffffffu, best, off);
+    const int i = __shfl_down_sync(0xffffffffu, best_i, off);
+    if (enc_better(v, i, best, best_i)) {
+      best = v;
+      best_i = i;
+    }
+  }
+  if ((threadIdx.x & 31) == 0) {
+    s_val[threadIdx.x >> 5] = best;
+    s_idx[threadIdx.x >> 5] = best_i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int w = 1; w < (int)(blockDim.x + 31) / 32; ++w)
+      if (enc_better(s_val[w], s_idx[w], best, best_i)) {
+        best = s_val[w];
+        best_i = s_idx[w];
+      }
+  return best_i;
 }
 
 __global__ void __launch_bounds__(kEncThreads)
@@ -1826,35 +1890,8 @@ quantize_tiles_kernel(const float* __restrict__ x, const float* __restrict__ tab
 
   // The lowest-index edge of least cost, in every thread.
   auto argmin = [&](const float* cost) -> int {
-    float best = INFINITY;
-    int best_i = 1 << 30;
-    for (int e = threadIdx.x; e < edges; e += blockDim.x)
-      if (enc_better(cost[e], e, best, best_i)) {
-        best = cost[e];
-        best_i = e;
-      }
-    for (int off = 16; off > 0; off >>= 1) {
-      const float v = __shfl_down_sync(0xffffffffu, best, off);
-      const int i = __shfl_down_sync(0xffffffffu, best_i, off);
-      if (enc_better(v, i, best, best_i)) {
-        best = v;
-        best_i = i;
-      }
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    if (lane == 0) {
-      s_val[warp] = best;
-      s_idx[warp] = best_i;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int w = 1; w < warps; ++w)
-        if (enc_better(s_val[w], s_idx[w], best, best_i)) {
-          best = s_val[w];
-          best_i = s_idx[w];
-        }
-      s_edge = best_i;
-    }
+    const int best_i = block_argmin(cost, edges, s_val, s_idx);
+    if (threadIdx.x == 0) s_edge = best_i;
     __syncthreads();
     return s_edge;
   };
@@ -1968,23 +2005,8 @@ quantize_tiles_fast_kernel(const float* __restrict__ x, int* __restrict__ states
     }
     // The lowest-index edge of least final cost; its tag is the crossing edge.
     {
-      float best = INFINITY;
-      int best_i = 1 << 30;
-      for (int e = threadIdx.x; e < S::edges; e += S::threads)
-        if (enc_better(prev[e], e, best, best_i)) { best = prev[e]; best_i = e; }
-      for (int off = 16; off > 0; off >>= 1) {
-        const float v = __shfl_down_sync(0xffffffffu, best, off);
-        const int j = __shfl_down_sync(0xffffffffu, best_i, off);
-        if (enc_better(v, j, best, best_i)) { best = v; best_i = j; }
-      }
-      const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-      if (lane == 0) { r_val[warp] = best; r_idx[warp] = best_i; }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        for (int w = 1; w < (S::threads + 31) / 32; ++w)
-          if (enc_better(r_val[w], r_idx[w], best, best_i)) { best = r_val[w]; best_i = r_idx[w]; }
-        r_edge = tprev[best_i];
-      }
+      const int best_i = block_argmin(prev, S::edges, r_val, r_idx);
+      if (threadIdx.x == 0) r_edge = tprev[best_i];
       __syncthreads();
     }
     const int crossing = r_edge;
