@@ -998,9 +998,8 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
 
 def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> torch.Tensor:
     """[m, sum N] = the concatenated outputs of every source of the group for fp16 or bf16 x [m, K] (y of x's
-    dtype). `ring`: a
-    RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load kernels (m <= 64), or
-    None for the group's policy (Exl3Group.ring_mode)."""
+    dtype). `ring`: a RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load
+    kernels (m <= 64), or None for the group's policy (Exl3Group.ring_mode)."""
     m = x.shape[0]
     ring = group.ring_mode(m) if ring is None else ring
     if m > FUSED_MAX_M and not ring:
