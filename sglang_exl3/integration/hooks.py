@@ -212,6 +212,41 @@ def moe_topk_layer_id(original, self, *args, **kwargs):
     return result
 
 
+def mtp_fc_quantized(original, self, *args, **kwargs):
+    """AROUND `Qwen3_5ForCausalLMMTP.__init__`: an EXL3 `mtp.fc` (exllamav3's default `--mtp_bits 4` quantizes it) gets
+    an EXL3 layer where the class builds a plain `nn.Linear` (layers/qwen3_5_mtp.py)."""
+    result = original(self, *args, **kwargs)
+    config = getattr(self, "quant_config", None)
+    if getattr(config, "get_name", lambda: None)() == "exl3":
+        from sglang_exl3.layers.qwen3_5_mtp import quantize_plain_fc
+
+        quantize_plain_fc(self, config)
+    return result
+
+
+def qwen3_5_text_weights(original, self, weights, *args, **kwargs):
+    """AROUND the Qwen3.5 text classes' `load_weights` (qwen3_5_text.py), which drop two kinds of names an exllamav3
+    checkpoint has: the trunk under `model.language_model.*` (exllamav3's only Qwen3.5 layout; these classes' rename
+    expects the VL class's prefix), which reaches them as `model.*`, as the VL class loads it; and an EXL3 lm_head's
+    tensors (`lm_head.trellis`, ...: they load `lm_head.weight` alone), which go to the head's own loader."""
+    trunk = "model.language_model."
+    params = dict(self.named_parameters())
+    direct: set[str] = set()
+
+    def routed():
+        for name, tensor in weights:
+            if name.startswith(trunk):
+                name = "model." + name[len(trunk):]
+            if name.startswith("lm_head.") and name != "lm_head.weight" and name in params:
+                params[name].weight_loader(params[name], tensor)
+                direct.add(name)
+                continue
+            yield name, tensor
+
+    loaded = original(self, routed(), *args, **kwargs)
+    return (loaded | direct) if isinstance(loaded, set) else loaded
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -232,6 +267,10 @@ def register_hooks() -> None:
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
                           mixtral_through_fused_moe, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)
+    HookRegistry.register("sglang.srt.models.qwen3_5_mtp.Qwen3_5ForCausalLMMTP.__init__", mtp_fc_quantized,
+                          HookType.AROUND)
+    HookRegistry.register("sglang.srt.models.qwen3_5_text.Qwen3_5ForCausalLM.load_weights", qwen3_5_text_weights,
+                          HookType.AROUND)  # Qwen3_5MoeForCausalLM inherits it
     from sglang_exl3.integration import cartridge_server
 
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher",

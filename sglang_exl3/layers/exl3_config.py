@@ -23,7 +23,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 
 from sglang_exl3 import knobs
 from sglang_exl3.format import Exl3Checkpoint, Exl3ModuleRecord, load_checkpoint
-from sglang_exl3.layers import nextn
+from sglang_exl3.layers import nextn, qwen3_5_mtp
 from sglang_exl3.layers.embedding import Exl3EmbeddingMethod, tied_embeddings_error
 from sglang_exl3.layers.linear import Exl3LinearMethod
 
@@ -65,6 +65,8 @@ class Exl3Config(QuantizationConfig):
         self.rank_sliced_rank: int | None = None  # the .rank{r} slices this process loads
         self.r7 = None  # R7Spec of a checkpoint with quantization_config.r7_routed_experts
         self.nextn_layer: int | None = None  # the checkpoint layer a NextN draft builds as `model.decoder`
+        self.mtp_draft = False  # a Qwen3.5 MTP draft: its `mtp.*` block is served, its lm_head is the target's
+        self._plain_index: dict[str, Exl3ModuleRecord] | None = None
         self._checked_claims = False
         self.online_bits = knobs.get("ONLINE_BITS") if checkpoint is None else None  # BF16 encoded at load
         self.online = checkpoint is None and bool(self.online_bits or knobs.get("ONLINE_FP8"))
@@ -124,6 +126,11 @@ class Exl3Config(QuantizationConfig):
         out.nextn_layer = nextn.nextn_layer(hf_config)
         if out.nextn_layer is not None:  # NextNError naming the missing or wrongly quantized MTP tensors
             nextn.check_stored(ckpt.tensors, ckpt.modules, out.nextn_layer, path, hf_config.architectures[0])
+        out.mtp_draft = qwen3_5_mtp.is_mtp_draft(hf_config)
+        if out.mtp_draft:  # MtpError naming the missing `mtp.*` tensors
+            text = getattr(hf_config, "text_config", hf_config)
+            qwen3_5_mtp.check_stored(ckpt.tensors, path, hf_config.architectures[0],
+                                     int(getattr(text, "mtp_num_hidden_layers", 1) or 1))
         out.packed_modules_mapping.update(config.get("packed_modules_mapping") or {})
         _activate(out)
         return out
@@ -191,7 +198,12 @@ class Exl3Config(QuantizationConfig):
         for cand in _candidates(key):
             if cand in self.checkpoint.modules:
                 return self.checkpoint.modules[cand]
-        return None
+        if self._plain_index is None:  # exllamav3 keeps `model.language_model.` where SGLang's text classes drop it
+            counts: dict[str, int] = {}
+            for k in self.checkpoint.modules:
+                counts[_plain(k)] = counts.get(_plain(k), 0) + 1
+            self._plain_index = {_plain(k): r for k, r in self.checkpoint.modules.items() if counts[_plain(k)] == 1}
+        return self._plain_index.get(_plain(key))
 
     def _source_records(self, prefix: str) -> dict[object, Exl3ModuleRecord | None]:
         """Shard id -> record of each checkpoint matrix behind the SGLang layer at `prefix`."""
@@ -210,6 +222,8 @@ class Exl3Config(QuantizationConfig):
                 return None
             _check_token_map(record.key)
             self.claimed.add(record.key)
+            if self.mtp_draft:  # served by the target's head, which SGLang's draft worker hands over
+                return qwen3_5_mtp.TargetHeadMethod(record.key)
             return Exl3LinearMethod({None: record}, prefix or "lm_head", self)
         if isinstance(layer, VocabParallelEmbedding):  # BF16 in EXL3 checkpoints; int8/int6 at load on request
             bits = knobs.get("EMBED_ONLINE_BITS")
@@ -364,9 +378,18 @@ class Exl3Config(QuantizationConfig):
 
 
 def _stack_layer(key: str) -> tuple[str, str] | None:
-    """(the layer stack, the layer index) of a module key: `mtp.layers.0.mlp.down_proj` -> ("mtp.layers", "0")."""
+    """(the layer stack, the layer index) of a module key: `mtp.layers.0.mlp.down_proj` -> ("mtp.layers", "0"); an MTP
+    block's own modules (`mtp.fc`) form the stack ("mtp", "")."""
     m = _LAYER_ID.search(f".{key}.")
-    return (key[: m.start()] + "layers", m.group(1)) if m else None
+    if m is None:
+        return ("mtp", "") if key.startswith(qwen3_5_mtp.PREFIX) else None
+    return (key[: m.start()] + "layers", m.group(1))
+
+
+def _plain(key: str) -> str:
+    """A module key without `language_model` segments or a leading `model.`: the spelling both sides share."""
+    parts = [p for p in key.split(".") if p != "language_model"]
+    return ".".join(parts[1:] if parts[:1] == ["model"] else parts)
 
 
 _ACTIVE: Exl3Config | None = None  # the Exl3Config most recently created in this process

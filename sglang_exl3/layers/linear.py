@@ -31,6 +31,7 @@ from sglang_exl3.codec.linear import pad_input
 from sglang_exl3.codec.signs import input_output_scales
 from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.format import Exl3ModuleRecord
+from sglang_exl3.format.constants import padded
 from sglang_exl3.kernels.backends import Backend, resolve_backend
 from sglang_exl3.layers import output_check
 from sglang_exl3.layers.shard import Exl3Shard
@@ -154,6 +155,32 @@ def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torc
     return y
 
 
+def merged_sources(output_sizes: list[int], records: dict[object, Exl3ModuleRecord],
+                   prefix: str) -> list[tuple[object, Exl3ModuleRecord, list[int]]]:
+    """(the shard id SGLang's loader passes, record, the outputs it holds) per source matrix of a merged layer. A source
+    may hold several consecutive outputs: Qwen3.5's `in_proj_qkv` is outputs 0-2 of `in_proj_qkvz` (SGLang loads it
+    with shard id (0, 1, 2)), `in_proj_z` output 3. Each source's outputs are matched against its packed width."""
+    ordered = [records[sid] for sid in sorted(records)]
+    if len(ordered) == len(output_sizes):
+        return [(i, record, [size]) for i, (record, size) in enumerate(zip(ordered, output_sizes, strict=True))]
+    out, i = [], 0
+    for record in ordered:
+        first = i
+        while i < len(output_sizes) and padded(sum(output_sizes[first:i])) < record.out_features:
+            i += 1
+        parts = list(output_sizes[first:i])
+        if not parts or padded(sum(parts)) != record.out_features:
+            raise ValueError(f"EXL3 {prefix}: {record.key} has {record.out_features} output columns, which do not "
+                             f"cover whole outputs of the fused layer (outputs {list(output_sizes)} from output "
+                             f"{first}); the checkpoint does not match the model config")
+        out.append((first if len(parts) == 1 else tuple(range(first, i)), record, parts))
+    if i != len(output_sizes):
+        raise ValueError(f"EXL3 {prefix}: the source matrices {[r.key for r in ordered]} cover outputs "
+                         f"{list(output_sizes[:i])} of {list(output_sizes)}; the checkpoint does not match the model "
+                         "config")
+    return out
+
+
 def plan_shards(layer: torch.nn.Module, records: dict[object, Exl3ModuleRecord], prefix: str) -> list[ShardPlan]:
     """Per-rank slices for every source matrix of `layer` (SGLang's layer topology)."""
     plans = []
@@ -183,9 +210,15 @@ def plan_shards(layer: torch.nn.Module, records: dict[object, Exl3ModuleRecord],
             plans.append(ShardPlan(sid, records[sid], cut, None, sizes[sid]))
         return plans
     if isinstance(layer, MergedColumnParallelLinear):
-        for sid, total in enumerate(layer.output_sizes):
-            size = total // tp_size
-            plans.append(ShardPlan(sid, records[sid], Exl3Slice(tp_rank * size, size, total), None, size))
+        for loader_id, record, parts in merged_sources(layer.output_sizes, records, prefix):
+            total = sum(parts)
+            if tp_size == 1:
+                plans.append(ShardPlan(loader_id, record, Exl3Slice(0, total, total), None, total))
+                continue
+            for i, part in enumerate(parts):  # this rank's cut of each output the source matrix holds
+                size = part // tp_size
+                plans.append(ShardPlan(loader_id, record, Exl3Slice(sum(parts[:i]) + tp_rank * size, size, total),
+                                       None, size))
         return plans
     if isinstance(layer, LinearBase):  # plain column-parallel or replicated
         (record,) = records.values()

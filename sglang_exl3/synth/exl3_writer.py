@@ -19,6 +19,7 @@ import torch
 
 from sglang_exl3.format.constants import SIDECAR_NAME, Codebook, padded
 from sglang_exl3.format.shards import ShardPacker, marker_tensor, storage_entry
+from sglang_exl3.synth import qwen3_5_layout
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -27,6 +28,8 @@ HF_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen3_5": qwen3_5_layout.ARCHITECTURE,
+    "qwen3_5_vl": qwen3_5_layout.VL_ARCHITECTURE,
 }
 # MoE architectures: expert block name, (up, gate, down) projection names, intermediate-size field
 _MOE_LAYOUT = {
@@ -67,7 +70,7 @@ SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN
 def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int = 2) -> dict:
     cfg = {
         "architectures": [HF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": arch if not arch.startswith("qwen3_5") else qwen3_5_layout.MODEL_TYPE,
         "hidden_size": dims.hidden_size,
         "intermediate_size": dims.intermediate_size,
         "num_hidden_layers": dims.num_hidden_layers,
@@ -98,15 +101,20 @@ def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int =
                    mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True)
     if arch == "mixtral":
         cfg.update(num_local_experts=dims.num_experts, num_experts_per_tok=dims.num_experts_per_tok)
+    if arch.startswith("qwen3_5"):
+        cfg.update(qwen3_5_layout.config_fields(dims))
     cfg.update(dims.extra)
     return cfg
 
 
-def module_plan(arch: str, dims: ModelDims,
-                shared_quantized: bool = True) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+def module_plan(arch: str, dims: ModelDims, shared_quantized: bool = True,
+                mtp_bits: float | None = None) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' / 'exl3_bias' (shape = (in, out)),
-    'head' (EXL3 at head_bits), 'embed', 'norm', 'router' or 'dense' (an unquantized linear; shape = the
-    tensor's shape)."""
+    'head' (EXL3 at head_bits), 'mtp' (EXL3 at mtp_bits), 'embed', 'norm', 'router', 'dense' (an unquantized
+    linear; shape = the weight's shape) or 'param' (a tensor stored under the key itself, as `A_log`)."""
+    if arch.startswith("qwen3_5"):
+        yield from qwen3_5_layout.module_plan(dims, mtp_bits, vl=arch == "qwen3_5_vl")
+        return
     h, hd = dims.hidden_size, dims.head_dim
     q_out, kv_out = dims.num_attention_heads * hd, dims.num_key_value_heads * hd
     yield "model.embed_tokens", "embed", (dims.vocab_size, h)
@@ -176,8 +184,10 @@ def write_exl3_checkpoint(
     with_tokenizer: bool = True,
     progress: bool = False,
     shared_quantized: bool = True,
+    mtp_bits: float | None = None,
 ) -> Path:
-    """Write a complete EXL3 checkpoint folder (safetensors shards, config, sidecar, tokenizer)."""
+    """Write a complete EXL3 checkpoint folder (safetensors shards, config, sidecar, tokenizer). `mtp_bits`: the MTP
+    block of an architecture that has one (qwen3_5, qwen3_5_vl), at that bitrate (16: unquantized); None writes none."""
     if arch not in HF_ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(HF_ARCHITECTURES)}")
     dims = dims or ModelDims()
@@ -192,14 +202,14 @@ def write_exl3_checkpoint(
     gen = torch.Generator().manual_seed(seed)
     storage: dict[str, dict] = {}
     packer = ShardPacker(_MAX_SHARD_BYTES)
-    plan = list(module_plan(arch, dims, shared_quantized))
+    plan = list(module_plan(arch, dims, shared_quantized, mtp_bits))
     if progress:
         from tqdm import tqdm
 
         plan = tqdm(plan, desc="writing EXL3 modules", unit="module")
     for key, kind, shape in plan:
-        if kind in ("exl3", "exl3_bias", "head"):
-            rate = head_bits if kind == "head" else bits
+        if kind in ("exl3", "exl3_bias", "head", "mtp"):
+            rate = {"head": head_bits, "mtp": mtp_bits}.get(kind, bits)
             parts = random_exl3_linear(shape[0], shape[1], rate, codebook, gen)
             if kind == "exl3_bias":  # padded like the output features, as exllamav3 stores it
                 parts["bias"] = (0.02 * torch.randn(padded(shape[1]), generator=gen)).half()
@@ -212,14 +222,17 @@ def write_exl3_checkpoint(
                 t = (0.02 * torch.randn(shape, generator=gen)).half()
             else:
                 t = (0.02 * torch.randn(shape, generator=gen)).bfloat16()
-            tensors = {f"{key}.weight": t}
+            tensors = {key if kind == "param" else f"{key}.weight": t}
             storage[key] = storage_entry(tensors, None, None)
         packer.add(tensors)
     packer.save(out)
     qcfg = {"quant_method": "exl3", "version": "1.6.5", "bits": float(bits), "head_bits": head_bits,
-            "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook.label}
+            "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook.label,
+            **({"mtp_bits": mtp_bits} if mtp_bits is not None else {})}
     config = hf_config(arch, dims, ids["bos"], ids["eos"], ids["pad"])
     config["quantization_config"] = qcfg
+    if arch == "qwen3_5_vl":
+        config = qwen3_5_layout.vl_config(config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / SIDECAR_NAME).write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=4))
     return out

@@ -1,4 +1,4 @@
-"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 MoE) for the
+"""Tiny random-weight Hugging Face models (Llama, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 MoE, Qwen3.5) for the
 converter and the hybrid writer.
 
 Dims are multiples of 128 so that exllamav3 pads nothing unexpected; each model is a few MB.
@@ -50,6 +50,11 @@ TINY_ARCHS: dict[str, dict] = {
         intermediate_size=512, moe_intermediate_size=128, n_shared_experts=1, n_routed_experts=8,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, partial_rotary_factor=0.5, max_position_embeddings=512),
+    # Qwen3.5 (text): Gated DeltaNet then gated full attention; whole 128-wide blocks everywhere (key_dim 128, value_dim
+    # 256, q 2 x 4 x 64 with its output gate)
+    "qwen3_5_text": dict(intermediate_size=512, linear_num_key_heads=2, linear_key_head_dim=64,
+                         linear_num_value_heads=4, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention"], full_attention_interval=2),
 }
 
 
@@ -75,5 +80,33 @@ def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **over
     if arch == "qwen3_moe":
         # exllamav3 reads num_experts; transformers 5 writes num_local_experts.
         cfg.setdefault("num_experts", kwargs["num_experts"])
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return directory
+
+
+def make_qwen3_5_source(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen3.5 text model as exllamav3's converter reads one: the trunk under `model.language_model.*` (its only
+    Qwen3.5 layout) and a random MTP block (`mtp.fc`, the pre-fc norms, one full-attention layer, `mtp.norm`), which
+    Hugging Face's class does not build."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = make_random_hf_model("qwen3_5_text", directory, seed=seed)
+    shard = directory / "model.safetensors"
+    tensors = {("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t
+               for n, t in load_file(str(shard)).items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, t in list(tensors.items()):  # the MTP layer: a copy of the shape of the full-attention layer 1
+        if name.startswith("model.language_model.layers.1."):
+            mtp = "mtp.layers.0." + name[len("model.language_model.layers.1."):]
+            tensors[mtp] = (t.float() + 0.01 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+    hidden = tensors["model.language_model.norm.weight"].shape[0]
+    for norm in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
+        tensors[f"mtp.{norm}.weight"] = (0.1 * torch.randn(hidden, generator=gen)).bfloat16()  # Gemma-style: 1 + w
+    tensors["mtp.fc.weight"] = (0.02 * torch.randn(hidden, 2 * hidden, generator=gen)).bfloat16()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return directory
