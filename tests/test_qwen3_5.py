@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_reference import twin_moe
 
 from sglang_cpu import draft_hand_over, load_as_server, process, sglang_runtime
 from sglang_exl3.format import load_checkpoint
@@ -25,7 +26,8 @@ def runtime():
 
 
 # the text class, and the VL class Qwen3.5 releases name (a vision tower, unquantized as exllamav3 keeps it by default)
-TARGETS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_vl": "Qwen3_5ForConditionalGeneration"}
+TARGETS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+           "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration"}
 
 
 def _write(path, mtp_bits, arch="qwen3_5", **extra):
@@ -71,6 +73,31 @@ def _exl3_layers_equal_the_twin(model, twin) -> list[str]:
     return checked
 
 
+def _experts_equal_the_twin(model, twin) -> list[str]:
+    """Every EXL3 MoE layer computes the twin's experts on the same routing (rows 1 and 6)."""
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    theirs = dict(twin.named_modules())
+    gen = torch.Generator().manual_seed(1)
+    checked = []
+    for name, experts in model.named_modules():
+        if type(getattr(experts, "quant_method", None)).__name__ != "Exl3MoEMethod":
+            continue
+        n_exp, topk = experts.num_local_experts, experts.quant_method.moe_runner_config.top_k
+        for m in (1, 6):
+            x = torch.randn(m, experts.hidden_size, generator=gen).half()
+            ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(torch.int32)
+            weights = torch.rand(m, topk, generator=gen)
+            dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
+                                              topk_output=StandardTopKOutput(weights, ids, torch.zeros(m, n_exp)))
+            got = experts.quant_method.apply(experts, dispatch).hidden_states.float()
+            want = twin_moe(theirs[name], x, ids, weights)
+            assert _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
+        checked.append(name)
+    return checked
+
+
 def _plain_tensors_identical(model, twin, skip: tuple[str, ...] = ()) -> list[str]:
     ours = dict(model.named_parameters())
     compared = []
@@ -87,6 +114,11 @@ def test_the_target_computes_what_its_twin_computes(models):
     checked = _exl3_layers_equal_the_twin(target, twin)
     assert {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.out_proj",
             "model.layers.1.qkv_proj", "model.layers.1.o_proj", "lm_head"} <= set(checked)
+    moe = "Moe" in type(target).__name__
+    down = "mlp.shared_expert.down_proj" if moe else "mlp.down_proj"
+    assert {f"model.layers.0.{down}", f"model.layers.1.{down}"} <= set(checked)
+    assert _experts_equal_the_twin(target, twin) == (["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+                                                     if moe else [])
     qkvz = target.model.layers[0].linear_attn.in_proj_qkvz
     assert [s.key.rsplit(".", 1)[1] for s in qkvz.exl3_shards] == ["in_proj_qkv", "in_proj_z"]
     plain = _plain_tensors_identical(target, twin)  # the layers the checkpoint keeps unquantized, loaded as stored
@@ -105,7 +137,10 @@ def test_the_mtp_draft_computes_what_its_twin_computes(models):
     assert type(draft).__name__ == "Qwen3_5ForCausalLMMTP"
     assert isinstance(draft.fc, Exl3PlainLinear) and type(twin_draft.fc) is torch.nn.Linear
     checked = _exl3_layers_equal_the_twin(draft, twin_draft)
-    assert {"fc", "model.layers.0.qkv_proj", "model.layers.0.mlp.down_proj"} <= set(checked)
+    moe = "moe" in draft.config.model_type
+    down = "mlp.shared_expert.down_proj" if moe else "mlp.down_proj"
+    assert {"fc", "model.layers.0.qkv_proj", f"model.layers.0.{down}"} <= set(checked)
+    assert _experts_equal_the_twin(draft, twin_draft) == (["model.layers.0.mlp.experts"] if moe else [])
     x = torch.randn(3, 2 * draft.config.hidden_size).half()
     got = draft.fc(x)  # called as the class calls its nn.Linear: the output alone
     assert isinstance(got, torch.Tensor) and _rel(got, twin_draft.fc(x.float())) < REL_TOL
@@ -197,14 +232,15 @@ def test_a_source_that_does_not_cover_whole_outputs_is_refused(tmp_path):
         merged_sources([128, 128, 256, 256, 128], sources, "x")
 
 
-def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path, moe):
     """A BF16 Qwen3.5 under `model.language_model.*` (exllamav3's layout, and the GPU step's converter input) loads in
     SGLang's text class with the plugin's rename, and its MTP block in the draft class."""
     from safetensors.torch import load_file
 
     from sglang_exl3.synth.hf_models import make_qwen3_5_source
 
-    src = make_qwen3_5_source(tmp_path / "src")
+    src = make_qwen3_5_source(tmp_path / "src", moe=moe)
     stored = load_file(str(src / "model.safetensors"))
     target, cfg = load_as_server(src)
     assert cfg is None
@@ -212,5 +248,10 @@ def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path):
     want = torch.cat([stored[f"{stem}.in_proj_qkv.weight"], stored[f"{stem}.in_proj_z.weight"]]).float()
     assert torch.equal(target.model.layers[0].linear_attn.in_proj_qkvz.weight, want)
     assert torch.equal(target.model.norm.weight, stored["model.language_model.norm.weight"].float())
+    if moe:  # the routed experts, gate rows then up rows, as the MoE layer holds them
+        w13 = target.model.layers[1].mlp.experts.w13_weight[3]
+        mlp = "model.language_model.layers.1.mlp.experts.3"
+        want = torch.cat([stored[f"{mlp}.gate_proj.weight"], stored[f"{mlp}.up_proj.weight"]]).float()
+        assert torch.equal(w13, want)
     draft, _ = load_as_server(src, draft=True)
     assert torch.equal(draft.fc.weight, stored["mtp.fc.weight"].float())

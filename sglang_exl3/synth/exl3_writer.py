@@ -20,6 +20,7 @@ import torch
 from sglang_exl3.format.constants import SIDECAR_NAME, Codebook, padded
 from sglang_exl3.format.shards import ShardPacker, marker_tensor, storage_entry
 from sglang_exl3.synth import qwen3_5_layout
+from sglang_exl3.synth.moe_layout import sparse_mlp
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -28,8 +29,7 @@ HF_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
-    "qwen3_5": qwen3_5_layout.ARCHITECTURE,
-    "qwen3_5_vl": qwen3_5_layout.VL_ARCHITECTURE,
+    **{name: variant.architecture for name, variant in qwen3_5_layout.VARIANTS.items()},
 }
 # MoE architectures: expert block name, (up, gate, down) projection names, intermediate-size field
 _MOE_LAYOUT = {
@@ -70,7 +70,7 @@ SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN
 def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int = 2) -> dict:
     cfg = {
         "architectures": [HF_ARCHITECTURES[arch]],
-        "model_type": arch if not arch.startswith("qwen3_5") else qwen3_5_layout.MODEL_TYPE,
+        "model_type": qwen3_5_layout.VARIANTS[arch].model_type if arch in qwen3_5_layout.VARIANTS else arch,
         "hidden_size": dims.hidden_size,
         "intermediate_size": dims.intermediate_size,
         "num_hidden_layers": dims.num_hidden_layers,
@@ -101,8 +101,8 @@ def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int =
                    mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True)
     if arch == "mixtral":
         cfg.update(num_local_experts=dims.num_experts, num_experts_per_tok=dims.num_experts_per_tok)
-    if arch.startswith("qwen3_5"):
-        cfg.update(qwen3_5_layout.config_fields(dims))
+    if arch in qwen3_5_layout.VARIANTS:
+        cfg.update(qwen3_5_layout.config_fields(arch, dims))
     cfg.update(dims.extra)
     return cfg
 
@@ -112,8 +112,8 @@ def module_plan(arch: str, dims: ModelDims, shared_quantized: bool = True,
     """(module key, kind, shape) in exllamav3's module order. kind: 'exl3' / 'exl3_bias' (shape = (in, out)),
     'head' (EXL3 at head_bits), 'mtp' (EXL3 at mtp_bits), 'embed', 'norm', 'router', 'dense' (an unquantized
     linear; shape = the weight's shape) or 'param' (a tensor stored under the key itself, as `A_log`)."""
-    if arch.startswith("qwen3_5"):
-        yield from qwen3_5_layout.module_plan(dims, mtp_bits, vl=arch == "qwen3_5_vl")
+    if arch in qwen3_5_layout.VARIANTS:
+        yield from qwen3_5_layout.module_plan(arch, dims, mtp_bits)
         return
     h, hd = dims.hidden_size, dims.head_dim
     q_out, kv_out = dims.num_attention_heads * hd, dims.num_key_value_heads * hd
@@ -131,19 +131,11 @@ def module_plan(arch: str, dims: ModelDims, shared_quantized: bool = True,
             yield f"{p}.self_attn.k_norm", "norm", (hd,)
         yield f"{p}.post_attention_layernorm", "norm", (h,)
         if arch in _MOE_LAYOUT:  # router, then each expert's up, gate, down (exllamav3's order)
-            block, (up, gate, down), inter_field = _MOE_LAYOUT[arch]
-            inter = getattr(dims, inter_field)
-            yield f"{p}.{block}.gate", "router", (dims.num_experts, h)
-            for e in range(dims.num_experts):
-                yield f"{p}.{block}.experts.{e}.{up}", "exl3", (h, inter)
-                yield f"{p}.{block}.experts.{e}.{gate}", "exl3", (h, inter)
-                yield f"{p}.{block}.experts.{e}.{down}", "exl3", (inter, h)
-            if arch == "qwen2_moe":  # the shared expert (EXL3, or left unquantized) and its sigmoid gate
-                shared = dims.shared_expert_intermediate_size
-                for proj, (k, n) in (("up_proj", (h, shared)), ("gate_proj", (h, shared)), ("down_proj", (shared, h))):
-                    yield (f"{p}.mlp.shared_expert.{proj}", "exl3", (k, n)) if shared_quantized else \
-                        (f"{p}.mlp.shared_expert.{proj}", "dense", (n, k))
-                yield f"{p}.mlp.shared_expert_gate", "router", (1, h)
+            block, names, inter_field = _MOE_LAYOUT[arch]
+            # qwen2_moe: the shared expert (EXL3, or left unquantized) and its sigmoid gate
+            shared = dims.shared_expert_intermediate_size if arch == "qwen2_moe" else None
+            yield from sparse_mlp(f"{p}.{block}", h, getattr(dims, inter_field), dims.num_experts, names,
+                                  shared=shared, shared_kind="exl3" if shared_quantized else "dense")
         else:
             yield f"{p}.mlp.up_proj", "exl3", (h, dims.intermediate_size)
             yield f"{p}.mlp.gate_proj", "exl3", (h, dims.intermediate_size)
@@ -187,7 +179,7 @@ def write_exl3_checkpoint(
     mtp_bits: float | None = None,
 ) -> Path:
     """Write a complete EXL3 checkpoint folder (safetensors shards, config, sidecar, tokenizer). `mtp_bits`: the MTP
-    block of an architecture that has one (qwen3_5, qwen3_5_vl), at that bitrate (16: unquantized); None writes none."""
+    block of an architecture that has one (the qwen3_5 variants), at that bitrate (16: unquantized); None: none."""
     if arch not in HF_ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(HF_ARCHITECTURES)}")
     dims = dims or ModelDims()
@@ -231,8 +223,8 @@ def write_exl3_checkpoint(
             **({"mtp_bits": mtp_bits} if mtp_bits is not None else {})}
     config = hf_config(arch, dims, ids["bos"], ids["eos"], ids["pad"])
     config["quantization_config"] = qcfg
-    if arch == "qwen3_5_vl":
-        config = qwen3_5_layout.vl_config(config)
+    if arch in qwen3_5_layout.VARIANTS and qwen3_5_layout.VARIANTS[arch].vl:
+        config = qwen3_5_layout.vl_config(arch, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / SIDECAR_NAME).write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=4))
     return out

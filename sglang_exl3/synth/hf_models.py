@@ -56,6 +56,9 @@ TINY_ARCHS: dict[str, dict] = {
                          linear_num_value_heads=4, linear_value_head_dim=64, linear_conv_kernel_dim=4,
                          layer_types=["linear_attention", "full_attention"], full_attention_interval=2),
 }
+# Qwen3.5-MoE: the same trunk with 4 routed experts of 256 (top-2) and a shared expert of 512 in every layer
+TINY_ARCHS["qwen3_5_moe_text"] = dict(TINY_ARCHS["qwen3_5_text"], num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=256, shared_expert_intermediate_size=512)
 
 
 def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
@@ -84,14 +87,14 @@ def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **over
     return directory
 
 
-def make_qwen3_5_source(directory: str | Path, seed: int = 0) -> Path:
-    """A tiny Qwen3.5 text model as exllamav3's converter reads one: the trunk under `model.language_model.*` (its only
-    Qwen3.5 layout) and a random MTP block (`mtp.fc`, the pre-fc norms, one full-attention layer, `mtp.norm`), which
-    Hugging Face's class does not build."""
+def make_qwen3_5_source(directory: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """A tiny Qwen3.5 text model (`moe`: Qwen3.5-MoE) as exllamav3's converter reads one: the trunk under
+    `model.language_model.*` (its only Qwen3.5 layout) and a random MTP block (`mtp.fc`, the pre-fc norms, one
+    full-attention layer, `mtp.norm`), which Hugging Face's class does not build."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    directory = make_random_hf_model("qwen3_5_text", directory, seed=seed)
+    directory = make_random_hf_model("qwen3_5_moe_text" if moe else "qwen3_5_text", directory, seed=seed)
     shard = directory / "model.safetensors"
     tensors = {("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t
                for n, t in load_file(str(shard)).items()}

@@ -22,9 +22,10 @@
 #                                         (NGRAM, EAGLE, STANDALONE; $SPEC_ARGS, e.g. --algorithms EAGLE)
 # spec-nextn                              tests/gpu/spec_lossless.py --algorithms NEXTN on DeepSeek-V3 / GLM-4.5 hybrids
 #                                         whose last layer is written as the NextN layer ($NEXTN_ARCHS)
-# spec-qwen35                             tests/gpu/spec_lossless.py --algorithms NEXTN on a tiny Qwen3.5 (Gated DeltaNet)
-#                                         with its MTP block: exllamav3's converter (--mtp_bits 4) and the project's writer
-# parity-qwen35                           serving parity of those two Qwen3.5 targets against their twins (after spec-qwen35)
+# spec-qwen35                             tests/gpu/spec_lossless.py --algorithms NEXTN on tiny Qwen3.5 / Qwen3.5-MoE (Gated
+#                                         DeltaNet) with their MTP blocks, converted by exllamav3 (--mtp_bits 4); the
+#                                         writer's fixtures too with QWEN35_TARGETS="writer writer-moe"
+# parity-qwen35                           serving parity of the converted targets against their twins (after spec-qwen35)
 # spec-train  carry .spectexts            benchmarks/spec_models.py: train the target, the small draft and the EAGLE3 head
 #                                         on the carried corpus into /tmp/specmodels ($SPEC_TRAIN_ARGS)
 # spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
@@ -180,13 +181,16 @@ n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch
     deep_gemm_stub
     rm -rf /tmp/q35 && mkdir -p /tmp/q35
     python3 -c "from sglang_exl3.synth.hf_models import make_qwen3_5_source as s; s('/tmp/q35/src'); \
-from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint as w; w('/tmp/q35/writer', 'qwen3_5', mtp_bits=4)" \
+s('/tmp/q35/src-moe', moe=True); from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint as w; \
+w('/tmp/q35/writer', 'qwen3_5', mtp_bits=4); w('/tmp/q35/writer-moe', 'qwen3_5_moe', mtp_bits=4)" \
       >"$work/write.txt" 2>&1 || tail -5 "$work/write.txt"
-    timeout 240 python3 -m exllamav3.conversion.convert_model -i /tmp/q35/src -o /tmp/q35/exllamav3 -w /tmp/q35/work \
-      -b 4.0 -hb 6 -cb mul1 -cr 32 -cc 512 --mtp_bits 4 >"$work/convert.txt" 2>&1
-    echo "convert: exit $?"; tail -3 "$work/convert.txt"
-    cp /tmp/q35/exllamav3/config.json "$work/exllamav3-config.json" 2>/dev/null
-    for t in ${QWEN35_TARGETS:-exllamav3 writer}; do
+    for m in "" -moe; do
+      timeout 240 python3 -m exllamav3.conversion.convert_model -i "/tmp/q35/src$m" -o "/tmp/q35/exllamav3$m" \
+        -w "/tmp/q35/work$m" -b 4.0 -hb 6 -cb mul1 -cr 32 -cc 512 --mtp_bits 4 >"$work/convert$m.txt" 2>&1
+      echo "convert$m: exit $?"; tail -2 "$work/convert$m.txt"
+      cp "/tmp/q35/exllamav3$m/config.json" "$work/exllamav3$m-config.json" 2>/dev/null
+    done
+    for t in ${QWEN35_TARGETS:-exllamav3 exllamav3-moe}; do
       SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-250}" \
         python3 tests/gpu/spec_lossless.py "$work/$t" --target "/tmp/q35/$t" --algorithms NEXTN 2>&1 |
         tee "$work/spec-$t.txt" | tail -4
@@ -194,7 +198,7 @@ from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint as w; w('/tmp/q3
     ;;
   parity-qwen35)  # serving parity of the Qwen3.5 targets spec-qwen35 wrote (run after it, same machine)
     site_env
-    parity qwen35 --ckpt /tmp/q35/exllamav3 --ckpt /tmp/q35/writer
+    parity qwen35 ${QWEN35_PARITY:---ckpt /tmp/q35/exllamav3 --ckpt /tmp/q35/exllamav3-moe}
     ;;
   spec-train)
     site_env
