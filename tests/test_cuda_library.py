@@ -80,6 +80,20 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 81, None) == -3  # N tiles % 8
     assert lib.exl3_gemm_partial_ring(None, None, None, 0, 16, 8, 1, 8, 1, 82, None) == -3  # m = 0
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 9, 1, 81, None) == -1  # 4.5 bits in MCG
+    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, p]
+
+    def one_launch(m=1, k_tiles=16, items=8, cols=128, k2=8, counters=1, xs_slice=16):
+        return lib.exl3_linear_decode(None, 0, None, 1, None, None, counters, None, m, k_tiles, items, cols, k2, 1,
+                                      xs_slice, None)
+
+    assert one_launch(m=0) == one_launch(m=17) == -3  # 1-16 rows
+    assert one_launch(k_tiles=12) == -3  # K not whole 128-blocks
+    assert one_launch(cols=192) == -3  # output not whole 128-blocks
+    assert one_launch(xs_slice=12) == -3  # a slice of a partial 128-block
+    assert one_launch(counters=0) == -3  # fewer counters than 128-column blocks
+    assert one_launch(items=6) == -3  # a block's warps would straddle sources
+    assert one_launch(m=16, k_tiles=256, xs_slice=256) == -3  # 131 KB x slice > 96 KB
+    assert one_launch(k2=9) == -1  # 4.5 bits in MCG
 
 
 @pytest.mark.slow

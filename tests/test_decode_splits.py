@@ -48,3 +48,27 @@ def test_moe_decode_rejects_bad_arguments_before_any_launch():
     with pytest.raises(ValueError, match="gate and up share"):
         moe_decode(x, ids, w, gate, Exl3ExpertBank.from_meta(rows, [24, 16, 2, 6, 1]), down, 2, False, good)
     assert good.numel() == 4 * 3 + 2 * 2 and not good.any()
+
+
+def test_one_launch_cuts_k_into_whole_blocks_within_one_wave():
+    """A dense linear or group as one launch: one split count for all sources, dividing K / 128, the group's warps
+    within one wave (Llama-3-8B shapes on 132 SMs); None where K or an N is not whole 128-blocks."""
+    from sglang_exl3.kernels.cuda_trellis import one_launch_splits
+
+    for kt, widths, want in ((256, (896,), 4), (896, (256,), 16), (256, (256, 64, 64), 8), (256, (8016,), 1)):
+        splits = one_launch_splits(kt, list(widths), CPU)
+        assert splits == want and (kt // 8) % want == 0, (kt, widths, splits)
+    assert one_launch_splits(252, [8], CPU) is None  # K = 4032
+    assert one_launch_splits(256, [8, 4], CPU) is None  # an output of 64 columns
+
+
+def test_one_launch_serves_rows_whose_x_slice_fits():
+    """The lm_head's slice (256 tiles at one split) fits 96 KB of shared memory for 11 rows, not 12; never above 16."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
+
+    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 8016, 128256, 128256, 8,
+                                                                                     256], 1), torch.zeros(1002))
+    assert head.serves(11) and not head.serves(12)
+    small = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 64, 1024, 8192, 8, 32],
+                                              1), torch.zeros(8))
+    assert small.serves(16) and not small.serves(17)

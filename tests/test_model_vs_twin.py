@@ -115,6 +115,37 @@ def test_linear_layers_equal_the_twin(models):
     assert hybrid or ("lm_head" in checked and any("qkv_proj" in n for n in checked))  # a hybrid has no EXL3 linears
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the one-launch form runs on our CUDA kernels")
+def test_one_launch_layers_equal_the_twin(models, monkeypatch):
+    """With SGLANG_EXL3_ONE_LAUNCH_MAX_M set, every EXL3 linear whose shards can share a launch runs decode-sized m as
+    one launch (rotations folded into the GEMM), and still computes x @ W_twin^T."""
+    from sglang_exl3.kernels.backends import Backend
+    from sglang_exl3.layers.linear import apply_shards, attach_shards
+
+    exl3, twin = models
+    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M", "16")
+    theirs = dict(twin.named_modules())
+    gen = torch.Generator().manual_seed(0)
+    served = []
+    for name, layer in exl3.named_modules():
+        if not hasattr(layer, "exl3_shards"):
+            continue
+        attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
+        if layer.exl3_one_launch is None:
+            continue
+        weight = theirs[name].weight
+        for m in (1, 5, 16):
+            x = torch.randn(m, weight.shape[1], generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+            got = apply_shards(layer, x, None, name).float()
+            want = x.float() @ weight.float()[: got.shape[1]].T
+            assert torch.isfinite(got).all() and _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
+        served.append(name)
+        monkeypatch.delenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M")
+        attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))  # the module-scoped model as it was
+        monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M", "16")
+    assert served or not any(hasattr(m, "exl3_shards") for m in exl3.modules())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m", MOE_ROWS)
 def test_moe_layers_equal_the_twin(models, m, dtype):

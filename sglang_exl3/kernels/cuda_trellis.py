@@ -29,7 +29,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 15
+ABI_VERSION = 16
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -58,6 +58,7 @@ XS_PARTIAL_BYTES = 64 << 20
 # Above this many rows the fused GEMM pays only with x in shared memory: with global loads it measured a median
 # 1.68x of reconstruct + cuBLAS at m = 64 (kernels-h200). Single linears and groups then take reconstruct + cuBLAS.
 GLOBAL_LOADS_MAX_M = 32
+ONE_LAUNCH_MAX_ROWS = 16  # one_launch_linear: one or two 8-row groups (from 16 rows the x ring serves)
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -210,6 +211,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_had_in.argtypes = [p, i, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, i, p]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p]
+    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
@@ -1006,3 +1008,57 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> 
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
                      group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring)
+
+
+@dataclass(frozen=True)
+class Exl3OneLaunch:
+    """A dense linear or same-input group run as one launch for decode-sized m (`exl3_linear_decode`): its group
+    table at splits that cut K into whole 128-blocks (each block rotates its own slice of x) and its arrival counters
+    (one per 128 output columns; zero between calls). Built once per layer at load."""
+
+    group: Exl3Group
+    counters: torch.Tensor
+
+    def serves(self, m: int) -> bool:
+        """Whether m rows fit the launch: at most ONE_LAUNCH_MAX_ROWS, the x slice within XS_GROUP_SMEM_BYTES."""
+        return m <= ONE_LAUNCH_MAX_ROWS and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
+
+
+def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) -> int | None:
+    """One split count for every source of a one-launch linear: the most that cut K into whole 128-blocks and keep
+    the group's warps within one wave (decode_splits); None where K or an N is not whole 128-blocks."""
+    if k_tiles % 8 or any(nt % 8 for nt in n_tiles):
+        return None
+    return decode_splits(k_tiles, sum(n_tiles), 1, device)
+
+
+def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
+                    codebook: Codebook) -> Exl3OneLaunch | None:
+    """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, or None
+    where it cannot run them (K or an N not whole 128-blocks)."""
+    splits = one_launch_splits(tiles[0].shape[1], [t.shape[0] for t in tiles], tiles[0].device)
+    if splits is None:
+        return None
+    group = make_group(tiles, suh, svh, codebook, splits=[splits] * len(tiles))
+    return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device))
+
+
+def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor) -> torch.Tensor:
+    """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
+    the same splits). The group's splits must cut K into whole 128-blocks (make_one_launch's table)."""
+    m = x.shape[0]
+    _check_act("x", x, (m, group.k_tiles * 16))
+    if m > ONE_LAUNCH_MAX_ROWS:
+        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
+    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
+        raise ValueError(f"one_launch_linear: counters must be int32 with at least {group.total_cols // 128} elements "
+                         f"on {x.device}, got {counters.dtype} {counters.numel()} on {counters.device}")
+    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _check(load_library().exl3_linear_decode(x.data_ptr(), bf16, group.table.data_ptr(), group.num,
+                                             partial.data_ptr(), counters.data_ptr(), counters.numel(),
+                                             out.data_ptr(), m, group.k_tiles, group.total_items, group.total_cols,
+                                             group.k2, group.codebook, group.max_slice, _stream(x)),
+           "one-launch linear")
+    return out

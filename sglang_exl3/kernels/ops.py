@@ -1,6 +1,7 @@
 """Registered ops with fake (meta) implementations, so `torch.compile` / SGLang's piecewise graphs trace
 through them and CUDA graphs capture them: `torch.ops.exl3.gemm` (one EXL3 linear), `torch.ops.exl3.gemm_group`
-(same-input sources such as q/k/v run as one), and `torch.ops.exl3.moe_routed` / `moe_decode` / `moe_sorted` (MoE
+(same-input sources such as q/k/v run as one), `torch.ops.exl3.one_launch` (either as one launch, for decode-sized
+m), and `torch.ops.exl3.moe_routed` / `moe_decode` / `moe_sorted` (MoE
 experts on their routed tokens only: one source per (token, expert) pair in five or two launches, or per tile of
 expert-sorted rows).
 
@@ -97,6 +98,22 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
 @exl3_gemm_group.register_fake
 def _(x, tiles, suh, svh, table, meta, codebook):
     return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16))
+
+
+@torch.library.custom_op("exl3::one_launch", mutates_args=())
+def exl3_one_launch(x: torch.Tensor, table: torch.Tensor, counters: torch.Tensor, meta: list[int],
+                    codebook: int) -> torch.Tensor:
+    """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (cuda_trellis.one_launch_linear);
+    `table` / `meta` / `counters` come from cuda_trellis.make_one_launch. The counters are zero before and after every
+    call (the kernel resets what it counts), so the op mutates nothing that outlives it."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3Group, one_launch_linear
+
+    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters)
+
+
+@exl3_one_launch.register_fake
+def _(x, table, counters, meta, codebook):
+    return x.new_empty((x.shape[0], meta[3]))  # Exl3Group.meta: total_cols
 
 
 def _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta):

@@ -121,19 +121,34 @@ def prepare_for_backend(shards, backend: Backend) -> None:
             shard.kernel_layout = True
 
 
+def _share_launches(shards: list[Exl3Shard]) -> bool:
+    """Whether the sources can share launches: the same K, bits and codebook, output widths untrimmed and whole
+    Hadamard blocks."""
+    first = shards[0]
+    return all(s.launch_ready and s.trellis.shape[1:] == first.trellis.shape[1:] and s.codebook == first.codebook
+               for s in shards)
+
+
 def group_shards(shards: list[Exl3Shard], backend: Backend):
     """One same-input group for a fused layer's sources (q/k/v, gate/up) on our CUDA kernels, so small-m forwards
-    take 3 launches instead of 3 per source; None where the sources cannot share launches (different K, bits
-    or codebook, an output width that is trimmed or not whole Hadamard blocks)."""
-    if backend != Backend.CUDA or len(shards) < 2:
+    take 3 launches instead of 3 per source; None where the sources cannot share launches."""
+    if backend != Backend.CUDA or len(shards) < 2 or not _share_launches(shards):
         return None
-    first = shards[0]
-    for s in shards:
-        if not s.launch_ready or s.trellis.shape[1:] != first.trellis.shape[1:] or s.codebook != first.codebook:
-            return None
     from sglang_exl3.kernels.cuda_trellis import make_group
 
-    return make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards], first.codebook)
+    return make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
+                      shards[0].codebook)
+
+
+def one_launch_shards(shards: list[Exl3Shard], backend: Backend):
+    """The layer's one-launch form on our CUDA kernels (SGLANG_EXL3_ONE_LAUNCH_MAX_M set): its sources, or its one
+    source, as one launch with the rotations folded in; None where the knob is unset or they cannot share it."""
+    if backend != Backend.CUDA or not knobs.get("ONE_LAUNCH_MAX_M") or not _share_launches(shards):
+        return None
+    from sglang_exl3.kernels.cuda_trellis import make_one_launch
+
+    return make_one_launch([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
+                           shards[0].codebook)
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
@@ -179,6 +194,15 @@ def merged_sources(output_sizes: list[int], records: dict[object, Exl3ModuleReco
                          f"{list(output_sizes[:i])} of {list(output_sizes)}; the checkpoint does not match the model "
                          "config")
     return out
+
+
+def attach_shards(layer: torch.nn.Module, shards: list[Exl3Shard], backend: Backend) -> None:
+    """What `apply_shards` runs: the layer's shards, their group and one-launch forms, the backend."""
+    layer.exl3_shards = shards
+    layer.exl3_group = group_shards(shards, backend)
+    layer.exl3_one_launch = one_launch_shards(shards, backend)
+    layer.exl3_one_launch_max_m = knobs.get("ONE_LAUNCH_MAX_M") or 0  # read once: the environment costs ~2 us
+    layer.exl3_backend = int(backend)
 
 
 def plan_shards(layer: torch.nn.Module, records: dict[object, Exl3ModuleRecord], prefix: str) -> list[ShardPlan]:
@@ -265,9 +289,7 @@ class Exl3LinearMethod(LinearMethodBase):
                               plan.out_features, rows=plan.rows, columns=plan.columns)
                   for plan in layer.exl3_plans]
         prepare_for_backend(shards, backend)
-        layer.exl3_shards = shards
-        layer.exl3_group = group_shards(shards, backend)
-        layer.exl3_backend = int(backend)
+        attach_shards(layer, shards, backend)
         del layer.exl3_loaded
         release_placeholders(layer, device)
         if isinstance(layer, ParallelLMHead):
@@ -286,20 +308,24 @@ class Exl3LinearMethod(LinearMethodBase):
 
 
 def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, where: str) -> torch.Tensor:
-    """A linear layer's EXL3 forward over its shards (`exl3_shards`, `exl3_group`, `exl3_backend`): one group launch
-    or one GEMM per shard, then the bias."""
+    """A linear layer's EXL3 forward over its shards (`attach_shards`): one launch for decode-sized m where the
+    one-launch form is on, else one group's launches or one GEMM per shard, then the bias."""
     lead, width = x.shape[:-1], x.shape[-1]
     # our CUDA kernels read and write bf16 activations themselves (the values of casting around an fp16 call)
     act = torch.bfloat16 if x.dtype == torch.bfloat16 and layer.exl3_backend == Backend.CUDA else torch.float16
     xa = pad_input(x.reshape(-1, width).to(act), layer.exl3_shards[0].in_features, where)
-    if layer.exl3_group is not None:
+    one = layer.exl3_one_launch
+    if one is not None and xa.shape[0] <= layer.exl3_one_launch_max_m and one.serves(xa.shape[0]):
+        y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook)
+    elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
     else:
         outs = [run_shard(xa, s, layer.exl3_backend, where) for s in layer.exl3_shards]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if output_check.enabled(layer, xa):
         want = torch.cat([output_check.shard_reference(xa, s) for s in layer.exl3_shards], dim=-1)
-        path = "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
+        path = "one-launch" if one is not None and xa.shape[0] <= layer.exl3_one_launch_max_m else \
+            "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
         output_check.report(layer, where, path, xa, y, want)
     if bias is not None:
         y = y.float() + bias.float()

@@ -26,7 +26,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang_exl3 import knobs
 from sglang_exl3.format.constants import Codebook, padded
 from sglang_exl3.kernels.backends import resolve_backend
-from sglang_exl3.layers.linear import apply_shards, group_shards, prepare_for_backend
+from sglang_exl3.layers.linear import apply_shards, attach_shards, prepare_for_backend
 from sglang_exl3.layers.shard import Exl3Shard
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Exl3OnlineLinearMethod(UnquantizedLinearMethod):
             self.progress.step(all(hits))
         backend = resolve_backend(weight.device)
         prepare_for_backend(shards, backend)
-        layer.exl3_shards, layer.exl3_group, layer.exl3_backend = shards, group_shards(shards, backend), int(backend)
+        attach_shards(layer, shards, backend)
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
                                           requires_grad=False)  # the BF16 weight is freed
         layer.exl3_online = True

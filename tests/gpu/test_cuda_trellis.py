@@ -328,6 +328,60 @@ def test_group_captures_in_a_cuda_graph():
     assert _rel(static_y.cpu(), ref) < 2e-3
 
 
+@pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2),
+                                     (Codebook.MUL1, 2.5)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
+    """The one-launch linear (each block rotates its K slice of x; the last block per 128 columns sums the partials and
+    rotates them into the output) writes what the group's three launches write at the same splits, bit for bit, for a
+    q/k/v-like group and a single source at row counts up to 16 (one and two row groups), and leaves its counters
+    zero."""
+    k, widths = 1024, (384, 128, 128)
+    srcs = [_case(k, n, bits, 16, seed=80 + i) for i, n in enumerate(widths)]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    suh, svh = [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs]
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(int(bits * 2))).to(dtype).cuda()
+    for count in (3, 1):
+        one = ck.make_one_launch(tiles[:count], suh[:count], svh[:count], cb)
+        g = one.group
+        for m in (1, 2, 5, 8, 13, 16):
+            want = ck.group_run(x[:m], g.table, g.num, m, g.k_tiles, g.total_items, g.total_cols, g.partial_per_row,
+                                g.k2, g.codebook)
+            got = ck.one_launch_linear(x[:m], g, one.counters)
+            assert got.dtype == dtype and torch.isfinite(got).all()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{count} sources, m={m}"
+            assert not one.counters.any(), f"counters left set: {count} sources, m={m}"
+    ref = torch.cat([exl3_linear_reference(x[:3].cpu().half(), t, s, v, cb) for t, s, v, _ in srcs], dim=1)
+    got = ck.one_launch_linear(x[:3].half(), ck.make_one_launch(tiles, suh, svh, cb).group,
+                               ck.make_one_launch(tiles, suh, svh, cb).counters)
+    assert _rel(got.cpu(), ref) < 2e-3
+
+
+def test_one_launch_captures_and_replays_in_a_cuda_graph():
+    """Captured once, replayed on fresh x twice: the counters reset themselves, so each replay equals an eager call."""
+    import sglang_exl3.kernels.ops  # noqa: F401  (registers torch.ops.exl3)
+
+    srcs = [_case(512, n, 4, 1, seed=90 + i) for i, n in enumerate((256, 128))]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    one = ck.make_one_launch(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs],
+                             Codebook.MUL1)
+    static_x = torch.zeros(4, 512, device="cuda", dtype=torch.bfloat16)
+    torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta, one.group.codebook)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta,
+                                             one.group.codebook)
+    for seed in (1, 2):
+        fresh = torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = ck.one_launch_linear(fresh, one.group, one.counters)
+        assert torch.equal(static_y.view(torch.int16), eager.view(torch.int16)), seed
+        assert not one.counters.any()
+
+
 def test_group_rejects_mismatched_sources():
     a = ck.prepare(_trellis(8, 8, 4, seed=1).cuda())
     b = ck.prepare(_trellis(8, 8, 3, seed=2).cuda())

@@ -720,17 +720,24 @@ __host__ __device__ __forceinline__ int group_source_of_item(const GroupSource* 
   return group_source_at<false>(srcs, num, item);
 }
 
+// A group kernel's warp: its source s and work item within it; false where it has none (past the last item, or an
+// empty source). Every source's items are a multiple of a block's warps, so a block's warps agree.
+__device__ __forceinline__ bool group_work(const GroupSource* srcs, int num, int item, int total_items, int& s,
+                                           int& local) {
+  if (item >= total_items) return false;
+  s = group_source_of_item(srcs, num, item);
+  local = item - (int)srcs[s].item_begin;
+  return local < srcs[s].n_tiles * srcs[s].splits;  // past the last filled source of a sorted table
+}
+
 template <int K2, int CB, int MT, int DEPTH>
 __global__ void __launch_bounds__(kWarps * 32) gemm_group_kernel(const half* __restrict__ xh_all,
                                                                  const GroupSource* __restrict__ srcs, int num,
                                                                  float* __restrict__ partial, int m, int k_tiles,
                                                                  int total_items) {
-  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (item >= total_items) return;
-  const int s = group_source_of_item(srcs, num, item);
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
-  const int local = item - (int)src.item_begin;
-  if (local >= src.n_tiles * src.splits) return;  // past the last filled source of a sorted table
   gemm_warp<K2, CB, MT, DEPTH>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
                                k_tiles, src.n_tiles, src.splits, local);
 }
@@ -744,12 +751,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* 
                                                                     float* __restrict__ partial, int m, int k_tiles,
                                                                     int total_items) {
   extern __shared__ uint4 xs[];
-  const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (item >= total_items) return;
-  const int s = group_source_of_item(srcs, num, item);
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
-  const int local = item - (int)src.item_begin;
-  if (local >= src.n_tiles * src.splits) return;
   gemm_warp<K2, CB, MT, DEPTH, true>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m,
                                      m, k_tiles, src.n_tiles, src.splits, local, xs);
 }
@@ -762,12 +766,9 @@ __global__ void __launch_bounds__(KW * 32) gemm_group_ring_kernel(const half* __
                                                                  float* __restrict__ partial, int m, int k_tiles,
                                                                  int total_items) {
   extern __shared__ uint4 ring[];
-  const int item = blockIdx.x * KW + (threadIdx.x >> 5);
-  if (item >= total_items) return;
-  const int s = group_source_of_item(srcs, num, item);
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
-  const int local = item - (int)src.item_begin;
-  if (local >= src.n_tiles * src.splits) return;
   ring_warp<K2, CB, MT, KW, CG>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
                                 k_tiles, src.n_tiles, src.splits, local, ring);
 }
@@ -1286,6 +1287,70 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArg
   }
 }
 
+// ---- a dense linear (or a same-input group) in one launch, for decode-sized m ---------------------------------
+constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows the x ring serves
+// exl3_group_linear's three launches in one: each block rotates its K slice of x (whole 128-blocks; every split of
+// every source cuts K into such blocks) into shared memory as stage_x lays it out, runs gemm_warp on it, and the last
+// block to finish a (source, 128 columns) sums that column block's partials and rotates them into the output. Same
+// roundings and summation orders as the three launches: with the same splits the output is bit-identical. Counters
+// (one per 128 output columns of the group) are zero between calls; each is reset by the block that completes it.
+
+// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) = had_in(x * suh), rows past m zero (MT > 2) or absent (the
+// ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do); one warp per (row, 128-block). Returns the lane's
+// ldmatrix address, as stage_x does.
+template <int MT, typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
+                                                         const half* __restrict__ suh, int kt0, int kt1,
+                                                         uint4* __restrict__ xs) {
+  const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int i = warp; i < rows * blocks; i += warps) {
+    const int r = i / blocks, b = kt0 / 8 + i % blocks;
+    half* dst = reinterpret_cast<half*>(xs + r * stride16) + (b * 8 - kt0) * 16;
+    if (r < m) {
+      half v[4];
+      load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v);
+      had_in_values(v, suh + b * 128, dst, lane);
+    } else {
+      *reinterpret_cast<uint2*>(dst + lane * 4) = make_uint2(0u, 0u);
+    }
+  }
+  __syncthreads();
+  const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
+  const int row = MT > 2 || r < m ? r : 0;
+  return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
+}
+
+// One warp per work item, as gemm_group_xs_kernel's (every source's items a multiple of 8: a block's 4 warps share
+// one source, one split and one half of a 128-column block); x and y [m, total_cols] in the model's dtype A (fp16 or
+// bf16).
+template <int K2, int CB, int MT, typename A>
+__global__ void __launch_bounds__(kWarps * 32) linear_decode_kernel(const A* __restrict__ x,
+                                                                    const GroupSource* __restrict__ srcs, int num,
+                                                                    float* __restrict__ partial,
+                                                                    int* __restrict__ counters, A* __restrict__ out,
+                                                                    int m, int k_tiles, int total_items,
+                                                                    int total_cols) {
+  extern __shared__ uint4 xs[];
+  __shared__ int flag;
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
+  const GroupSource& src = srcs[s];
+  const int K = k_tiles * 16, N = src.n_tiles * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const A* xs_rows0 = x + (size_t)src.x_row * K;
+  auto stage = [&](int kt0, int kt1) { return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs); };
+  float* part = partial + src.partial_base * m;
+  gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
+                                      stage);
+  const int j = (local % src.n_tiles) / 8, c0 = j * 128;
+  if (!last_arrival(counters + src.col_begin / 128 + j, 2 * src.splits, &flag)) return;
+  for (int r = warp; r < m; r += kWarps) {
+    half v[4];
+    had_out_values<float, true>(part + (size_t)r * N + c0, (size_t)m * N, src.splits, src.svh + c0, lane, v);
+    store4(out + (size_t)r * total_cols + src.col_begin + c0 + lane * 4, v);
+  }
+}
+
 // ---- dispatch ----------------------------------------------------------------------------------
 
 // Calls launch(std::integral_constant<int, MT>) for the 8-row groups m needs (MT = 1, 2, 4 or 8).
@@ -1402,6 +1467,24 @@ int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int n
     gemm_group_kernel<K2, CB, decltype(mt)::value, kDepth><<<grid, block, 0, stream>>>(xh_all, srcs, num, partial, m,
                                                                                        kt, total_items);
   });
+}
+
+template <int K2, int CB>
+int launch_variant_linear_decode(const void* x, int bf16, const GroupSource* srcs, int num, float* partial,
+                                 int* counters, void* out, int m, int kt, int total_items, int total_cols,
+                                 int xs_slice, cudaStream_t stream) {
+  if (m > kOneLaunchMaxRows || total_items % kWarps) return -3;
+  const int smem = xs_smem_bytes(m, xs_slice, 1);
+  auto launch = [&](auto* op) {
+    using A = std::remove_pointer_t<decltype(op)>;
+    auto kernel_of = [](auto mt) {  // 1 or 2 row groups; the larger ones never launch (m <= 16), so none is built
+      constexpr int MT = decltype(mt)::value;
+      return linear_decode_kernel<K2, CB, (MT <= 2 ? MT : 2), A>;
+    };
+    return launch_with_smem(m, smem, dim3(total_items / kWarps), stream, kernel_of, (const A*)x, srcs, num, partial,
+                            counters, op, m, kt, total_items, total_cols);
+  };
+  return bf16 ? launch((__nv_bfloat16*)out) : launch((half*)out);
 }
 
 template <int K2, int CB>
@@ -1602,6 +1685,27 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   return (int)cudaGetLastError();
 }
 
+// exl3_group_linear in one launch (linear_decode_kernel): y[m, total_cols] for a same-input group (one source: a
+// single linear), x and y both fp16 or both bf16 (bf16: the values of casting around an fp16 call). Every source's
+// splits must cut K into whole 128-blocks ((k_tiles / 8) % splits == 0) and its N be a multiple of 128: the caller's
+// table guarantees it (the kernel cannot check a device table). Scratch: partial fp32 [sum_s splits_s * N_s * m];
+// counters int32 [total_cols / 128], zero, and left zero. xs_slice: the longest K slice of any source, in tiles
+// (sizes the shared memory).
+int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void* partial, void* counters,
+                       long long counters_len, void* out, int m, int k_tiles, int total_items, int total_cols, int k2,
+                       int codebook, int xs_slice, void* stream) {
+  if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
+      total_cols <= 0 ||
+      total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128)
+    return -3;
+  auto s = (cudaStream_t)stream;
+  auto srcs = (const GroupSource*)table;
+  auto p = (float*)partial;
+  auto c = (int*)counters;
+  EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, srcs, num, p, c, out, m, k_tiles, total_items,
+                                                             total_cols, xs_slice, s))
+}
+
 // A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
 // stages above): input rotation and GEMM of the 2S gate/up sources, moe_mid, the down GEMM, moe_tail. x fp16 or
 // bf16 [*, H] as the gate/up table's x_row fields address it; out fp32 [tokens, H]. Scratch: xh_gu fp16 [2S, rows,
@@ -1778,7 +1882,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 15; }
+int exl3_abi_version(void) { return 16; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
