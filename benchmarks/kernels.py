@@ -34,7 +34,7 @@ CODEBOOKS = [Codebook.MUL1, Codebook.MCG, Codebook.INST3]
 ROTATE_BYTES = 150 << 20  # weights touched per graph: 3x the H200's 50 MB L2
 EXLLAMAV3_GEMM_MAX_M = 144  # exllamav3 switches from exl3_gemm to reconstruct + cuBLAS above this
 COLUMNS = ["k", "n", "m", "bits", "codebook", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "roofline_us",
-           "ours_pct_roofline", "speedup_vs_exllamav3", "ours_fused_us", "ours_reconstruct_us"]
+           "ours_pct_roofline", "speedup_vs_exllamav3", "ours_fused_us", "ours_reconstruct_us", "ours_one_launch_us"]
 
 
 def _exllamav3_ext(path: str | None):
@@ -67,6 +67,15 @@ class Weights:
         self.tiles = [prepare(t) for t in self.trellis]  # our kernels' layout (same bytes, transposed tiles)
         self.suh = (torch.randn(k, device="cuda") * 0.05).half()
         self.svh = (torch.randn(n, device="cuda") * 0.05).half()
+        self._one_launch: dict = {}
+
+    def one_launch(self, cb: Codebook) -> list:
+        """Each copy's one-launch form (table and counters; None where the shape cannot take it), made on first use."""
+        from sglang_exl3.kernels.cuda_trellis import make_one_launch
+
+        if cb not in self._one_launch:
+            self._one_launch[cb] = [make_one_launch([t], [self.suh], [self.svh], cb) for t in self.tiles]
+        return self._one_launch[cb]
 
 
 def _time_or_none(fn, rotations: int) -> float | None:
@@ -88,6 +97,10 @@ def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw, fused_m
 
     if m <= ck.FUSED_MAX_M:
         row["ours_fused_us"] = _time_or_none(ours("fused"), c)
+    one = w.one_launch(cb) if m <= ck.ONE_LAUNCH_MAX_ROWS else [None]
+    if one[0] is not None and one[0].serves(m):  # SGLANG_EXL3_ONE_LAUNCH_MAX_M's path: the rotations folded in
+        row["ours_one_launch_us"] = _time_or_none(
+            lambda i: ck.one_launch_linear(xs[i % 4], one[i % c].group, one[i % c].counters), c)
     if m >= 16:  # the product's large-m path (exl3_linear's default above the crossover)
         row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct_staged"), c)
     row["ours_us"] = row.get("ours_fused_us") if m <= fused_max_m else row.get("ours_reconstruct_us")
