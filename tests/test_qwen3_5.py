@@ -255,3 +255,26 @@ def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path, moe):
         assert torch.equal(w13, want)
     draft, _ = load_as_server(src, draft=True)
     assert torch.equal(draft.fc.weight, stored["mtp.fc.weight"].float())
+
+
+def test_a_quantized_vision_tower_is_refused_naming_the_fix(tmp_path):
+    """exllamav3 --vision_bits 1-8 quantizes the tower, which SGLang's vision layers cannot take: refused at startup."""
+    from conftest import mutate
+    from sglang_exl3.format import Codebook
+    from sglang_exl3.format.shards import storage_entry
+    from sglang_exl3.synth.exl3_writer import random_exl3_linear
+
+    path = _write(tmp_path / "c", mtp_bits=None, arch="qwen3_5_vl")
+    key = "model.visual.blocks.0.mlp.linear_fc1"
+
+    def quantize_tower(tensors, sidecar, config):
+        parts = {f"{key}.{s}": t for s, t in random_exl3_linear(128, 128, 4, Codebook.MUL1,
+                                                                torch.Generator().manual_seed(0)).items()}
+        del tensors[f"{key}.weight"]
+        tensors.update(parts)
+        sidecar["tensor_storage"][key] = storage_entry(parts, 4, Codebook.MUL1)
+
+    mutate(path, quantize_tower)
+    want = r"1 vision-tower module\(s\) as EXL3 \(\['model\.visual\.blocks\.0\.mlp\.linear_fc1'\]\).*--vision_bits 16"
+    with pytest.raises(ValueError, match=want):
+        load_as_server(path)

@@ -120,6 +120,7 @@ class Exl3Config(QuantizationConfig):
                     f", rank-sliced experts ({rank_sliced.bits} bits, tp={rank_sliced.tp}, "
                     f"{rank_sliced.rotation_layout})" if rank_sliced else
                     f", R7 experts (layers {list(r7_spec.moe_layers)}, K {list(r7_spec.k_values)})" if r7_spec else "")
+        _check_vision_unquantized(ckpt)
         out = cls(ckpt)
         out.rank_sliced = rank_sliced
         out.r7 = r7_spec
@@ -422,6 +423,20 @@ def _check_embedding_knob(hf_config) -> None:
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(getattr(hf_config, "text_config", None),
                                                                     "tie_word_embeddings", False):
         raise tied_embeddings_error(bits)
+
+
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
+
+
+def _check_vision_unquantized(ckpt: Exl3Checkpoint) -> None:
+    """SGLang's vision towers take unquantized weights (their fused projections are built from single checkpoint
+    matrices that no EXL3 record describes); a tower exllamav3 quantized (`--vision_bits` 1-8) is refused at startup,
+    naming the modules, rather than stopping later on modules no layer claimed."""
+    vision = sorted(k for k in ckpt.modules if _VISION.search(k))
+    if vision:
+        raise ValueError(f"{ckpt.path} stores {len(vision)} vision-tower module(s) as EXL3 ({vision[:3]}"
+                         f"{' ...' if len(vision) > 3 else ''}); SGLang's vision layers take unquantized weights. "
+                         "Convert with exllamav3's --vision_bits 16 (its default for Qwen3-VL-style towers)")
 
 
 def _fp8_unaligned(layer: torch.nn.Module) -> str | None:
