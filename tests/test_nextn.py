@@ -67,11 +67,47 @@ def test_nextn_without_the_mtp_layer_names_the_missing_tensors(checkpoints, tmp_
         load_as_server(tmp_path / "no-mtp", draft=True)
 
 
-def test_plain_parts_stored_as_exl3_are_refused():
-    names = {"model.layers.2.eh_proj.trellis": None, "model.layers.2.mlp.down_proj.trellis": None}
-    with pytest.raises(NextNError, match=r"\['model\.layers\.2\.eh_proj'\].*--mtp_bits 16"):
-        check_stored(names, {"model.layers.2.eh_proj": None, "model.layers.2.mlp.down_proj": None}, 2, "ck", "X")
-    check_stored(names, {"model.layers.2.mlp.down_proj": None}, 2, "ck", "X")  # EXL3 attention / MLP are fine
+def test_norms_stored_as_exl3_are_refused():
+    names = {"model.layers.2.enorm.trellis": None, "model.layers.2.mlp.down_proj.trellis": None}
+    with pytest.raises(NextNError, match=r"\['model\.layers\.2\.enorm'\].*--mtp_bits 16"):
+        check_stored(names, {"model.layers.2.enorm": None, "model.layers.2.mlp.down_proj": None}, 2, "ck", "X")
+    # EXL3 attention / MLP, and an EXL3 eh_proj (served by an EXL3 layer in the module's nn.Linear's place), are fine
+    check_stored(names, {"model.layers.2.eh_proj": None, "model.layers.2.mlp.down_proj": None}, 2, "ck", "X")
+
+
+def test_an_exl3_eh_proj_is_served(checkpoints, tmp_path):
+    """exllamav3 quantizes eh_proj at --mtp_bits (GLM-4.7-Flash): the draft gets an EXL3 layer where its NextN module
+    builds an nn.Linear, called as the module calls it (DeepSeek's forward unpacks a ReplicatedLinear's tuple), and
+    computes the checkpoint's matrix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_exl3.codec import exl3_linear_reference
+    from sglang_exl3.format import Codebook
+    from sglang_exl3.layers.plain_linear import Exl3PlainLinear
+    from sglang_exl3.synth.exl3_writer import random_exl3_linear
+
+    _, mtp, arch = checkpoints
+    shutil.copytree(mtp, tmp_path / "c")
+    shard = tmp_path / "c" / "model.safetensors"
+    tensors = load_file(str(shard))
+    n, k = tensors.pop("model.layers.2.eh_proj.weight").shape
+    parts = random_exl3_linear(k, n, 4, Codebook.MUL1, torch.Generator().manual_seed(1))
+    tensors.update({f"model.layers.2.eh_proj.{s}": t for s, t in parts.items()})
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    sglang_runtime()
+    draft, _ = load_as_server(tmp_path / "c", draft=True)
+    eh_proj = draft.model.eh_proj
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).half()
+    if arch == "deepseek_v3":
+        assert type(eh_proj).__name__ == "ReplicatedLinear"
+        got = eh_proj(x)[0]
+    else:
+        assert isinstance(eh_proj, Exl3PlainLinear)
+        got = eh_proj(x)
+    want = exl3_linear_reference(x, parts["trellis"], parts["suh"], parts["svh"], Codebook.MUL1)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 2e-3
 
 
 @pytest.mark.parametrize(("prefix", "want"), [("model.decoder.mlp.experts", "model.layers.4.mlp.experts"),

@@ -131,7 +131,7 @@ def test_the_target_computes_what_its_twin_computes(models):
 
 
 def test_the_mtp_draft_computes_what_its_twin_computes(models):
-    from sglang_exl3.layers.qwen3_5_mtp import Exl3PlainLinear
+    from sglang_exl3.layers.plain_linear import Exl3PlainLinear
 
     _, draft, _, twin_draft = models
     assert type(draft).__name__ == "Qwen3_5ForCausalLMMTP"

@@ -214,13 +214,34 @@ def moe_topk_layer_id(original, self, *args, **kwargs):
 
 def mtp_fc_quantized(original, self, *args, **kwargs):
     """AROUND `Qwen3_5ForCausalLMMTP.__init__`: an EXL3 `mtp.fc` (exllamav3's default `--mtp_bits 4` quantizes it) gets
-    an EXL3 layer where the class builds a plain `nn.Linear` (layers/qwen3_5_mtp.py)."""
+    an EXL3 layer where the class builds a plain `nn.Linear` (layers/plain_linear.py)."""
     result = original(self, *args, **kwargs)
     config = getattr(self, "quant_config", None)
     if getattr(config, "get_name", lambda: None)() == "exl3":
-        from sglang_exl3.layers.qwen3_5_mtp import quantize_plain_fc
+        from sglang_exl3.layers.plain_linear import quantize_plain_linear
 
-        quantize_plain_fc(self, config)
+        quantize_plain_linear(self, "fc", config, "mtp.fc")
+    return result
+
+
+# NextN modules whose forward calls `eh_proj` as a ReplicatedLinear when it is one (deepseek_nextn.py); the others
+# call it as an nn.Linear
+_NEXTN_TUPLE_EH_PROJ = frozenset({"DeepseekModelNextN"})
+
+
+def nextn_eh_proj_quantized(original, self, *args, **kwargs):
+    """AROUND the DeepSeek / GLM NextN modules' `__init__`: an EXL3 `model.layers.{N}.eh_proj` (exllamav3 quantizes it
+    at `--mtp_bits`, e.g. GLM-4.7-Flash) gets an EXL3 layer where the module builds a plain `nn.Linear`."""
+    import inspect
+
+    result = original(self, *args, **kwargs)
+    config = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("quant_config")
+    layer = getattr(config, "nextn_layer", None)
+    if getattr(config, "get_name", lambda: None)() == "exl3" and layer is not None:
+        from sglang_exl3.layers.plain_linear import quantize_plain_linear
+
+        quantize_plain_linear(self, "eh_proj", config, f"model.layers.{layer}.eh_proj",
+                              tuple_output=type(self).__name__ in _NEXTN_TUPLE_EH_PROJ)
     return result
 
 
@@ -269,6 +290,9 @@ def register_hooks() -> None:
     HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.qwen3_5_mtp.Qwen3_5ForCausalLMMTP.__init__", mtp_fc_quantized,
                           HookType.AROUND)
+    for module in ("deepseek_nextn.DeepseekModelNextN", "glm4_moe_nextn.Glm4MoeModelNextN",
+                   "glm4_moe_lite_nextn.Glm4MoeLiteModelNextN"):
+        HookRegistry.register(f"sglang.srt.models.{module}.__init__", nextn_eh_proj_quantized, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.qwen3_5_text.Qwen3_5ForCausalLM.load_weights", qwen3_5_text_weights,
                           HookType.AROUND)  # Qwen3_5MoeForCausalLM inherits it
     from sglang_exl3.integration import cartridge_server

@@ -13,8 +13,11 @@ from __future__ import annotations
 # (deepseek_common/deepseek_weight_loader.py: nextn_layer_id = 0 if num_hidden_layers == 1 else num_hidden_layers)
 DECODER_NEXTN_CLASSES = frozenset({"DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN",
                                    "Glm4MoeForCausalLMNextN", "Glm4MoeLiteForCausalLMNextN"})
-# Built by the NextN module itself as plain torch layers (not quantizable by any SGLang method): stored unquantized
-PLAIN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head.norm")
+# What the NextN module builds itself besides its decoder layer. The norms are plain torch layers and must be stored
+# unquantized; an EXL3 eh_proj (exllamav3 quantizes it at --mtp_bits) gets an EXL3 layer in place of the module's
+# nn.Linear (layers/plain_linear.py, through a plugin hook)
+NEXTN_PARTS = ("eh_proj", "enorm", "hnorm", "shared_head.norm")
+PLAIN_PARTS = ("enorm", "hnorm", "shared_head.norm")
 
 
 class NextNError(ValueError):
@@ -42,12 +45,11 @@ def checkpoint_prefix(prefix: str, layer: int | None) -> str:
 
 
 def check_stored(tensor_names, exl3_modules, layer: int, path, arch: str) -> None:
-    """At config time: the MTP layer is in the checkpoint, and its parts the draft class keeps in plain torch
-    layers are not EXL3."""
+    """At config time: the MTP layer is in the checkpoint, and its norms (plain torch layers) are not EXL3."""
     stem = f"model.layers.{layer}."
     mine = sorted(n for n in tensor_names if n.startswith(stem))
     if not mine:
-        wanted = ", ".join(f"{stem}{p}.weight" for p in PLAIN_PARTS)
+        wanted = ", ".join(f"{stem}{p}.weight" for p in NEXTN_PARTS)
         raise NextNError(f"{arch} loads the MTP layer {stem}* from {path}, but the checkpoint has no tensor under it "
                          f"(missing: {wanted}, and the layer's attention and MLP). Convert with the MTP layer kept "
                          "(exllamav3: --mtp_bits), or serve without --speculative-algorithm NEXTN")

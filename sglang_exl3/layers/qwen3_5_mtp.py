@@ -4,15 +4,15 @@ an EXL3 checkpoint.
 exllamav3 writes the MTP block under `mtp.*` at `--mtp_bits` (default 4): `mtp.fc` (2H -> H), its two pre-fc norms,
 `mtp.layers.{i}` (full-attention decoder layers) and `mtp.norm`. SGLang's draft class builds `fc` as a plain
 `nn.Linear`, which no quantization method reaches, so an EXL3 `fc` gets an EXL3 layer of the same name in its place
-(`Exl3PlainLinear`: SGLang's loader then routes `mtp.fc.trellis` to it). The draft's lm_head is the target's: SGLang's
-draft worker hands it over (`set_lm_head_from_target`) and the MTP loader reads no `lm_head.*` tensor, so an EXL3
-head is built as a placeholder (`TargetHeadMethod`) instead of a second copy that would wait for tensors never sent.
+(layers/plain_linear.py: SGLang's loader then routes `mtp.fc.trellis` to it). The draft's lm_head is the target's:
+SGLang's draft worker hands it over (`set_lm_head_from_target`) and the MTP loader reads no `lm_head.*` tensor, so an
+EXL3 head is built as a placeholder (`TargetHeadMethod`) instead of a second copy that would wait for tensors never
+sent.
 """
 
 from __future__ import annotations
 
 import torch
-from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
 MTP_DRAFT_CLASSES = frozenset({"Qwen3_5ForCausalLMMTP"})
@@ -39,23 +39,6 @@ def check_stored(tensor_names, path, arch: str, layers: int) -> None:
         raise MtpError(f"{arch} loads the MTP block from {path}, but the checkpoint lacks {missing}. Convert with the "
                        "MTP layers kept (exllamav3: --mtp_bits, on a source model that has them), or serve without "
                        "--speculative-algorithm NEXTN")
-
-
-class Exl3PlainLinear(ReplicatedLinear):
-    """An EXL3 matrix where the model class calls a plain `nn.Linear`: same call, the output alone."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[0]
-
-
-def quantize_plain_fc(model: torch.nn.Module, config, prefix: str = "mtp.fc") -> bool:
-    """Replace the draft's plain `fc` by an EXL3 layer when the checkpoint stores it as EXL3. Returns whether it did."""
-    fc = getattr(model, "fc", None)
-    if not isinstance(fc, torch.nn.Linear) or config is None or config.record_for(prefix) is None:
-        return False
-    model.fc = Exl3PlainLinear(fc.in_features, fc.out_features, bias=fc.bias is not None, quant_config=config,
-                               prefix=prefix, params_dtype=fc.weight.dtype)
-    return True
 
 
 class TargetHeadMethod(LinearMethodBase):
