@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
-from benchmarks.load import _flush, _healthy, datasets_stub  # noqa: E402
+from benchmarks.load import _flush, _healthy  # noqa: E402
+from benchmarks.serving_client import datasets_stub  # noqa: E402
 from sglang_exl3.integration.server import launch, stop, wait_ready  # noqa: E402
 
 PROBE = [(i * 37) % 900 + 50 for i in range(48)]

@@ -10,6 +10,8 @@ again after every row, so a run cut short keeps what it measured.
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
   python benchmarks/e2e.py --profile-steps 16 ...   (also: where a decode step's GPU time goes, per kernel category,
                                                      at batch 1 and 64: e2e-profile-<gpu>.{json,md})
+  python benchmarks/e2e.py --serving-concurrency 1,16,64 ...   (also: SGLang's own load generator against each
+                                                     server, random-ids 512 in / 128 out: output tok/s and mean ITL)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
+from benchmarks.serving_client import serving_throughput  # noqa: E402
 from benchmarks.step_profile import profile_decode  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 from sglang_exl3.synth.exl3_writer import SHAPES  # noqa: E402
@@ -62,9 +65,10 @@ PROFILE_BATCHES = (1, 64)
 
 
 def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int,
-                      profile_steps: int = 0) -> dict:
-    """One server: its e2e row, and with profile_steps its per-step kernel breakdown at PROFILE_BATCHES (in
-    row["profile"], {batch: {category: us per step}})."""
+                      profile_steps: int = 0, serving: tuple[int, ...] = ()) -> dict:
+    """One server: its e2e row, with profile_steps its per-step kernel breakdown at PROFILE_BATCHES (in
+    row["profile"], {batch: {category: us per step}}), and per `serving` concurrency SGLang's load generator's
+    output tok/s and mean inter-token latency."""
     log = out / f"e2e-server-{label}.log"
     t0 = time.time()
     proc = launch(path, port, ["--mem-fraction-static", "0.85", "--cuda-graph-max-bs-decode", "64", *extra],
@@ -76,6 +80,9 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         row.update(measure(base))
         row["weights_gb"] = _weights_mem_gb(log)
         row["kv_tokens"] = kv_tokens(log)
+        for c in serving:
+            result = serving_throughput(path, port, c, out)
+            row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]
         if profile_steps:
             ids = [[(i * 53 + j * 13) % 120000 + 100 for j in range(32)] for i in range(max(PROFILE_BATCHES))]
             row["profile"] = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
@@ -126,6 +133,8 @@ def main() -> int:
     ap.add_argument("--replot", type=Path, help="redraw the plot beside this results JSON and exit")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many decode steps per model at batch 1 and 64 (e2e-profile-<gpu>)")
+    ap.add_argument("--serving-concurrency", default="", metavar="C[,C]",
+                    help="also run python -m sglang.benchmark.serving (random-ids) at these concurrencies per server")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                     help="serve the first EXL3 model again with these SGLANG_EXL3_* settings (repeatable): an A/B in "
                          "the same run")
@@ -143,8 +152,10 @@ def main() -> int:
     arch = SHAPES[args.shape][0]
     codebook = "mcg" if arch == "qwen3_moe" else "mul1"
     rows, py = [], sys.executable
+    serving = tuple(int(c) for c in args.serving_concurrency.split(",") if c)
+    head.update(serving_concurrency=list(serving), serving_lengths="random-ids, 512 in / 128 out")
     cols = ["model", "ready_s", "weights_gb", "kv_tokens", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES],
-            "prefill_tok_s"]
+            "prefill_tok_s", *[f"serving_c{c}_{k}" for c in serving for k in ("out_tok_s", "itl_ms")]]
     name = "e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}"
 
     def add(row: dict) -> None:
@@ -163,18 +174,18 @@ def main() -> int:
                             "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
         exl3_env = {"SGLANG_EXL3_BACKEND": args.backend}
         add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
-                              args.profile_steps))
+                              args.profile_steps, serving))
         for j, variant in enumerate(args.variant if i == 0 else []):
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
-                                  {**exl3_env, **env}, work, 32200 + j))
+                                  {**exl3_env, **env}, work, 32200 + j, serving=serving))
         if i == 0 and not args.skip_bf16:
             dense = work / f"{args.shape}-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
             add(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"], {},
-                                  work, 32100, args.profile_steps))
+                                  work, 32100, args.profile_steps, serving))
     return 0
 
 

@@ -19,7 +19,6 @@ import argparse
 import concurrent.futures
 import http.client
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import gpu_workdir, header, kv_tokens, write_results  # noqa: E402
+from benchmarks.serving_client import bench_command, bench_env, last_result  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
 MODELS = {"dense": ROOT / "tests/data/exllamav3/tiny-llama-mul1-4bpw",
@@ -103,19 +103,6 @@ def over_context(host: str, port: int, i: int) -> str:
         conn.close()
 
 
-def datasets_stub(work: Path) -> str:
-    """SGLang's benchmark imports `datasets` (for other datasets than random-ids); a stub where it is absent."""
-    try:
-        import datasets  # noqa: F401
-        return ""
-    except ImportError:
-        stub = work / "stub" / "datasets"
-        stub.mkdir(parents=True, exist_ok=True)
-        (stub / "__init__.py").write_text("def load_dataset(*args, **kwargs):\n"
-                                          "    raise RuntimeError('datasets is not installed')\n")
-        return str(stub.parent)
-
-
 def run_model(name: str, path: Path, args, work: Path, port: int) -> dict:
     log = work / f"load-server-{name}.log"
     proc = launch(path, port, ["--quantization", "exl3", "--context-length", str(CONTEXT),
@@ -128,14 +115,9 @@ def run_model(name: str, path: Path, args, work: Path, port: int) -> dict:
         mem0 = gpu_used_mib()
         bad = args.requests // 9  # ~10% of all requests hang up mid-stream
         refused_n = max(20, args.requests // 50)
-        stub = datasets_stub(work)
         out_file = work / f"bench-{name}.jsonl"
-        bench_cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", host,
-                     "--port", str(port), "--model", str(path), "--tokenizer", str(path), "--dataset-name",
-                     "random-ids", "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency),
-                     "--random-input-len", "512", "--random-output-len", "128", "--random-range-ratio", "0.1",
-                     "--output-file", str(out_file), "--output-details", "--disable-tqdm", "--seed", "1"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH")) if p)}
+        bench_cmd = bench_command(path, host, port, args.requests, args.concurrency, 512, 128, 0.1, out_file)
+        env = bench_env(work)
         t0 = time.time()
         bench = subprocess.Popen(bench_cmd, stdout=open(work / f"bench-{name}.log", "w"), stderr=subprocess.STDOUT,
                                  env=env)
@@ -158,8 +140,7 @@ def run_model(name: str, path: Path, args, work: Path, port: int) -> dict:
             bench.kill()
         bench_s = time.time() - t0
         sampler.join(timeout=5)
-        lines = out_file.read_text().strip().splitlines() if out_file.exists() else []
-        result = json.loads(lines[-1]) if lines else {}
+        result = last_result(out_file)
         completed = int(result.get("completed") or 0)
         time.sleep(5)  # aborted requests drain
         alive = proc.poll() is None and _healthy(base)

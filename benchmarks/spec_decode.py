@@ -85,7 +85,7 @@ def decode_row(outs: list[dict], seconds: float) -> dict:
 def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
     """SGLang's load generator on the SPEED-Bench file (with load.py's stand-in for `datasets` where it is absent:
     SGLang's MMMU reader imports it at module level)."""
-    from benchmarks.load import datasets_stub
+    from benchmarks.serving_client import datasets_stub
 
     stub = datasets_stub(work)
     result = work / f"speed-bench-{category}.jsonl"
