@@ -90,9 +90,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
     Knob("FUSED_MAX_M", 128, "positive_int", help="dense linears on our CUDA kernels: the most rows the fused decode "
          "GEMM serves (1-128, its limit; 65-128 only through the x ring); above, reconstruct + cuBLAS", maximum=128),
-    Knob("ONE_LAUNCH_MAX_M", None, "positive_int", help="dense linears and fused q/k/v, gate/up layers on our CUDA "
-         "kernels with at most this many rows (1-16) run as one launch, the input and output rotations folded into "
-         "the GEMM; unset: three launches", maximum=16),
+    Knob("ONE_LAUNCH_MAX_M", "1", "choice", tuple(str(m) for m in range(17)), "dense linears and fused q/k/v, "
+         "gate/up layers (not the lm_head) on our CUDA kernels with at most this many rows run as one launch, the "
+         "input and output rotations folded into the GEMM; 0: three launches at every m"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

@@ -232,18 +232,19 @@ def test_a_source_that_does_not_cover_whole_outputs_is_refused(tmp_path):
         merged_sources([128, 128, 256, 256, 128], sources, "x")
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path, moe):
+@pytest.mark.parametrize("moe, vl", [(False, False), (True, False), (False, True)], ids=["dense", "moe", "vl"])
+def test_the_converters_input_layout_loads_as_a_bf16_model(tmp_path, moe, vl):
     """A BF16 Qwen3.5 under `model.language_model.*` (exllamav3's layout, and the GPU step's converter input) loads in
-    SGLang's text class with the plugin's rename, and its MTP block in the draft class."""
+    SGLang's text class with the plugin's rename (or its VL class), and its MTP block in the draft class."""
     from safetensors.torch import load_file
 
     from sglang_exl3.synth.hf_models import make_qwen3_5_source
 
-    src = make_qwen3_5_source(tmp_path / "src", moe=moe)
+    src = make_qwen3_5_source(tmp_path / "src", moe=moe, vl=vl)
     stored = load_file(str(src / "model.safetensors"))
     target, cfg = load_as_server(src)
-    assert cfg is None
+    assert cfg is None and type(target).__name__ == ("Qwen3_5ForConditionalGeneration" if vl else
+                                                     "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM")
     stem = "model.language_model.layers.0.linear_attn"
     want = torch.cat([stored[f"{stem}.in_proj_qkv.weight"], stored[f"{stem}.in_proj_z.weight"]]).float()
     assert torch.equal(target.model.layers[0].linear_attn.in_proj_qkvz.weight, want)

@@ -140,10 +140,12 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
                       shards[0].codebook)
 
 
-def one_launch_shards(shards: list[Exl3Shard], backend: Backend):
-    """The layer's one-launch form on our CUDA kernels (SGLANG_EXL3_ONE_LAUNCH_MAX_M set): its sources, or its one
-    source, as one launch with the rotations folded in; None where the knob is unset or they cannot share it."""
-    if backend != Backend.CUDA or not knobs.get("ONE_LAUNCH_MAX_M") or not _share_launches(shards):
+def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
+    """The layer's one-launch form on our CUDA kernels (up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows): its sources, or its
+    one source, as one launch with the rotations folded in; None where they cannot share it, and for the lm_head: each
+    of its ~2,400 blocks re-rotates all of x (one split), which measured 7% slower than three launches at m = 1
+    (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936)."""
+    if backend != Backend.CUDA or lm_head or int(knobs.get("ONE_LAUNCH_MAX_M")) == 0 or not _share_launches(shards):
         return None
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
@@ -200,8 +202,8 @@ def attach_shards(layer: torch.nn.Module, shards: list[Exl3Shard], backend: Back
     """What `apply_shards` runs: the layer's shards, their group and one-launch forms, the backend."""
     layer.exl3_shards = shards
     layer.exl3_group = group_shards(shards, backend)
-    layer.exl3_one_launch = one_launch_shards(shards, backend)
-    layer.exl3_one_launch_max_m = knobs.get("ONE_LAUNCH_MAX_M") or 0  # read once: the environment costs ~2 us
+    layer.exl3_one_launch = one_launch_shards(shards, backend, lm_head=isinstance(layer, ParallelLMHead))
+    layer.exl3_one_launch_max_m = int(knobs.get("ONE_LAUNCH_MAX_M"))  # read once: the environment costs ~2 us
     layer.exl3_backend = int(backend)
 
 

@@ -87,17 +87,20 @@ def make_random_hf_model(arch: str, directory: str | Path, seed: int = 0, **over
     return directory
 
 
-def make_qwen3_5_source(directory: str | Path, seed: int = 0, moe: bool = False) -> Path:
-    """A tiny Qwen3.5 text model (`moe`: Qwen3.5-MoE) as exllamav3's converter reads one: the trunk under
+def make_qwen3_5_source(directory: str | Path, seed: int = 0, moe: bool = False, vl: bool = False) -> Path:
+    """A tiny Qwen3.5 (`moe`: Qwen3.5-MoE) as exllamav3's converter reads one: the trunk under
     `model.language_model.*` (its only Qwen3.5 layout) and a random MTP block (`mtp.fc`, the pre-fc norms, one
-    full-attention layer, `mtp.norm`), which Hugging Face's class does not build."""
+    full-attention layer, `mtp.norm`), which Hugging Face's classes do not build. exllamav3 1.6.5 converts the MTP
+    block only for the VL architecture (`vl`: `Qwen3_5ForConditionalGeneration`, as Qwen3.5 releases are, with a
+    one-block vision tower and its preprocessor config); the text architecture's conversion drops it."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    directory = make_random_hf_model("qwen3_5_moe_text" if moe else "qwen3_5_text", directory, seed=seed)
+    arch = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    directory = _make_qwen3_5_vl(arch, directory, seed) if vl else make_random_hf_model(arch, directory, seed=seed)
     shard = directory / "model.safetensors"
-    tensors = {("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: t
-               for n, t in load_file(str(shard)).items()}
+    tensors = {("model.language_model." + n[len("model."):]) if n.startswith("model.layers.") or n in (
+        "model.embed_tokens.weight", "model.norm.weight") else n: t for n, t in load_file(str(shard)).items()}
     gen = torch.Generator().manual_seed(seed + 1)
     for name, t in list(tensors.items()):  # the MTP layer: a copy of the shape of the full-attention layer 1
         if name.startswith("model.language_model.layers.1."):
@@ -110,6 +113,38 @@ def make_qwen3_5_source(directory: str | Path, seed: int = 0, moe: bool = False)
     save_file(tensors, str(shard), metadata={"format": "pt"})
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["mtp_num_hidden_layers"] = 1
+    (cfg["text_config"] if vl else cfg)["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    return directory
+
+
+# exllamav3 reads these from a Qwen3-VL-style preprocessor_config.json (architecture/qwen3_vl.py)
+_QWEN3_5_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 1048576}, "patch_size": 16,
+                         "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                         "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast"}
+
+
+def _make_qwen3_5_vl(text_arch: str, directory: str | Path, seed: int) -> Path:
+    """The VL architecture around TINY_ARCHS[text_arch], with a one-block vision tower (bf16, `model.visual.*`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from sglang_exl3.synth.qwen3_5_layout import TINY_VISION
+
+    directory = Path(directory)
+    ids = write_tokenizer(directory, TINY_COMMON["vocab_size"])
+    text = {**TINY_COMMON, **TINY_ARCHS[text_arch], "bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+            "pad_token_id": ids["pad"]}
+    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"]}
+    vocab = text["vocab_size"]
+    config = AutoConfig.for_model(text_arch.removesuffix("_text"), text_config=text, vision_config=vision,
+                                  image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 6,
+                                  vision_end_token_id=vocab - 5, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["vision_config"].setdefault("deepstack_visual_indexes", [])  # exllamav3 requires the key
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(_QWEN3_5_PREPROCESSOR, indent=2))
     return directory

@@ -22,8 +22,8 @@
 #                                         (NGRAM, EAGLE, STANDALONE; $SPEC_ARGS, e.g. --algorithms EAGLE)
 # spec-nextn                              tests/gpu/spec_lossless.py --algorithms NEXTN on DeepSeek-V3 / GLM-4.5 hybrids
 #                                         whose last layer is written as the NextN layer ($NEXTN_ARCHS)
-# spec-qwen35                             tests/gpu/spec_lossless.py --algorithms NEXTN on tiny Qwen3.5 / Qwen3.5-MoE (Gated
-#                                         DeltaNet) with their MTP blocks, converted by exllamav3 (--mtp_bits 4); the
+# spec-qwen35                             tests/gpu/spec_lossless.py --algorithms NEXTN on tiny Qwen3.5 / Qwen3.5-MoE VL models
+#                                         (Gated DeltaNet) with their MTP blocks, converted by exllamav3 (--mtp_bits 4); the
 #                                         writer's fixtures too with QWEN35_TARGETS="writer writer-moe"
 # parity-qwen35                           serving parity of the converted targets against their twins (after spec-qwen35)
 # spec-train  carry .spectexts            benchmarks/spec_models.py: train the target, the small draft and the EAGLE3 head
@@ -180,8 +180,9 @@ n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch
     stop_servers
     deep_gemm_stub
     rm -rf /tmp/q35 && mkdir -p /tmp/q35
-    python3 -c "from sglang_exl3.synth.hf_models import make_qwen3_5_source as s; s('/tmp/q35/src'); \
-s('/tmp/q35/src-moe', moe=True); from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint as w; \
+    # the VL architecture: exllamav3 writes the MTP block only for it (qwen3_5-serving-h200: the text one drops it)
+    python3 -c "from sglang_exl3.synth.hf_models import make_qwen3_5_source as s; s('/tmp/q35/src', vl=True); \
+s('/tmp/q35/src-moe', moe=True, vl=True); from sglang_exl3.synth.exl3_writer import write_exl3_checkpoint as w; \
 w('/tmp/q35/writer', 'qwen3_5', mtp_bits=4); w('/tmp/q35/writer-moe', 'qwen3_5_moe', mtp_bits=4)" \
       >"$work/write.txt" 2>&1 || tail -5 "$work/write.txt"
     for m in "" -moe; do
