@@ -108,7 +108,7 @@ run_step() {
     ;;
   moetests)
     site_env
-    timeout "${MOETESTS_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider --durations=5 \
+    timeout "${MOETESTS_TIMEOUT:-540}" python3 -m pytest -q -rfE -p no:cacheprovider --durations=5 \
       tests/gpu/test_moe_cuda.py tests/test_model_vs_twin.py 2>&1 | tee "$work/pytest-moe.txt" | tail -15
     ;;
   moebench)
