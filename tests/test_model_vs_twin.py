@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_reference import twin_moe
+from twin_checks import exl3_linears, exl3_moe_layers, moe_against_twin, plain_tensors_identical, rel
 
 from conftest import DATA
 from sglang_cpu import load_as_server, sglang_runtime
@@ -81,35 +81,21 @@ def models(request, tmp_path_factory):
     return exl3, twin
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 def test_plain_tensors_load_identically(models):
     exl3, twin = models
-    ours = dict(exl3.named_parameters())
-    compared = 0
-    for name, p in twin.named_parameters():
-        if name in ours and ours[name].shape == p.shape and ours[name].numel():
-            assert torch.equal(ours[name].half(), p.half()), name  # the twin stores fp16
-            compared += 1
-    assert compared >= 5  # embeddings, norms, routers
+    assert len(plain_tensors_identical(exl3, twin)) >= 5  # embeddings, norms, routers
 
 
 def test_linear_layers_equal_the_twin(models):
     exl3, twin = models
-    theirs = dict(twin.named_modules())
     gen = torch.Generator().manual_seed(0)
     checked = []
-    for name, layer in exl3.named_modules():
-        if not hasattr(layer, "exl3_shards"):
-            continue
-        weight = theirs[name].weight
+    for name, layer, weight in exl3_linears(exl3, twin):
         x = torch.randn(5, weight.shape[1], generator=gen).to(device=DEVICE, dtype=torch.float16)
         got = layer.quant_method.apply(layer, x).float()
         want = x.float() @ weight.float()[: got.shape[1]].T
         assert torch.isfinite(got).all(), name
-        assert _rel(got, want) < REL_TOL, (name, _rel(got, want))
+        assert rel(got, want) < REL_TOL, (name, rel(got, want))
         checked.append(name)
     hybrid = getattr(getattr(exl3, "quant_config", None), "rank_sliced", None) is not None and not checked
     assert hybrid or ("lm_head" in checked and any("qkv_proj" in n for n in checked))  # a hybrid has no EXL3 linears
@@ -123,27 +109,26 @@ def test_one_launch_layers_equal_the_twin(models, monkeypatch):
     from sglang_exl3.layers.linear import apply_shards, attach_shards
 
     exl3, twin = models
-    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M", "16")
-    theirs = dict(twin.named_modules())
+    layers = list(exl3_linears(exl3, twin))
     gen = torch.Generator().manual_seed(0)
     served = []
-    for name, layer in exl3.named_modules():
-        if not hasattr(layer, "exl3_shards"):
-            continue
-        attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
-        if layer.exl3_one_launch is None:
-            continue
-        weight = theirs[name].weight
-        for m in (1, 5, 16):
-            x = torch.randn(m, weight.shape[1], generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
-            got = apply_shards(layer, x, None, name).float()
-            want = x.float() @ weight.float()[: got.shape[1]].T
-            assert torch.isfinite(got).all() and _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
-        served.append(name)
+    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M", "16")
+    try:
+        for name, layer, weight in layers:
+            attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
+            if layer.exl3_one_launch is None:
+                continue
+            for m in (1, 5, 16):
+                x = torch.randn(m, weight.shape[1], generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+                got = apply_shards(layer, x, None, name).float()
+                want = x.float() @ weight.float()[: got.shape[1]].T
+                assert torch.isfinite(got).all() and rel(got, want) < REL_TOL, (name, m, rel(got, want))
+            served.append(name)
+    finally:  # the module-scoped model as it was
         monkeypatch.delenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M")
-        attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))  # the module-scoped model as it was
-        monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_M", "16")
-    assert served or not any(hasattr(m, "exl3_shards") for m in exl3.modules())
+        for _, layer, _ in layers:
+            attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
+    assert served or not layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -151,26 +136,11 @@ def test_one_launch_layers_equal_the_twin(models, monkeypatch):
 def test_moe_layers_equal_the_twin(models, m, dtype):
     """bf16: a model served in bf16 hands its hidden states to the MoE layer as they are (the fused forwards read
     them directly); the reference sees the same bf16 values."""
-    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
     exl3, twin = models
-    theirs = dict(twin.named_modules())
     gen = torch.Generator().manual_seed(m)
-    layers = [(n, mod) for n, mod in exl3.named_modules() if type(getattr(mod, "quant_method", None)).__name__ ==
-              "Exl3MoEMethod"]
+    layers = list(exl3_moe_layers(exl3, twin))
     assert layers
-    for name, experts in layers:
-        cfg = experts.quant_method.moe_runner_config
-        n_exp, topk = experts.num_local_experts, cfg.top_k
-        x = torch.randn(m, experts.hidden_size, generator=gen).to(device=DEVICE, dtype=dtype)
-        ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(DEVICE, torch.int32)
-        weights = torch.rand(m, topk, generator=gen).to(DEVICE)
-        dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
-                                          topk_output=StandardTopKOutput(weights, ids, torch.zeros(m, n_exp)))
-        got = experts.quant_method.apply(experts, dispatch).hidden_states.float()
-        want = twin_moe(theirs[name], x, ids, weights, cfg.activation == "gelu")
-        if cfg.routed_scaling_factor is not None and DEVICE == "cuda":  # as SGLang's runner there (moe.py apply)
-            want = want * cfg.routed_scaling_factor
+    for name, experts, theirs in layers:
+        got, want = moe_against_twin(experts, theirs, m, dtype, gen, DEVICE)
         assert torch.isfinite(got).all(), (name, m)
-        assert _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
+        assert rel(got, want) < REL_TOL, (name, m, rel(got, want))

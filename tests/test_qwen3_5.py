@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_reference import twin_moe
+from twin_checks import exl3_linears, exl3_moe_layers, moe_against_twin, plain_tensors_identical, rel
 
 from sglang_cpu import draft_hand_over, load_as_server, process, sglang_runtime
 from sglang_exl3.format import load_checkpoint
@@ -53,59 +53,28 @@ def models(request, tmp_path_factory):
     return target, draft, twin, twin_draft
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
-
-
 def _exl3_layers_equal_the_twin(model, twin) -> list[str]:
-    theirs = dict(twin.named_modules())
     gen = torch.Generator().manual_seed(0)
     checked = []
-    for name, layer in model.named_modules():
-        if not hasattr(layer, "exl3_shards"):
-            continue
-        weight = theirs[name].weight
+    for name, layer, weight in exl3_linears(model, twin):
         x = torch.randn(5, weight.shape[1], generator=gen).half()
         got = layer.quant_method.apply(layer, x).float()
         assert got.shape[1] == weight.shape[0], name
-        assert _rel(got, x.float() @ weight.float().T) < REL_TOL, (name, _rel(got, x.float() @ weight.float().T))
+        assert rel(got, x.float() @ weight.float().T) < REL_TOL, (name, rel(got, x.float() @ weight.float().T))
         checked.append(name)
     return checked
 
 
 def _experts_equal_the_twin(model, twin) -> list[str]:
     """Every EXL3 MoE layer computes the twin's experts on the same routing (rows 1 and 6)."""
-    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    theirs = dict(twin.named_modules())
     gen = torch.Generator().manual_seed(1)
     checked = []
-    for name, experts in model.named_modules():
-        if type(getattr(experts, "quant_method", None)).__name__ != "Exl3MoEMethod":
-            continue
-        n_exp, topk = experts.num_local_experts, experts.quant_method.moe_runner_config.top_k
+    for name, experts, theirs in exl3_moe_layers(model, twin):
         for m in (1, 6):
-            x = torch.randn(m, experts.hidden_size, generator=gen).half()
-            ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(torch.int32)
-            weights = torch.rand(m, topk, generator=gen)
-            dispatch = StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
-                                              topk_output=StandardTopKOutput(weights, ids, torch.zeros(m, n_exp)))
-            got = experts.quant_method.apply(experts, dispatch).hidden_states.float()
-            want = twin_moe(theirs[name], x, ids, weights)
-            assert _rel(got, want) < REL_TOL, (name, m, _rel(got, want))
+            got, want = moe_against_twin(experts, theirs, m, torch.float16, gen, "cpu")
+            assert rel(got, want) < REL_TOL, (name, m, rel(got, want))
         checked.append(name)
     return checked
-
-
-def _plain_tensors_identical(model, twin, skip: tuple[str, ...] = ()) -> list[str]:
-    ours = dict(model.named_parameters())
-    compared = []
-    for name, p in twin.named_parameters():
-        if name in ours and name not in skip and ours[name].shape == p.shape and ours[name].numel():
-            assert torch.equal(ours[name].half(), p.half()), name
-            compared.append(name)
-    return compared
 
 
 def test_the_target_computes_what_its_twin_computes(models):
@@ -121,7 +90,7 @@ def test_the_target_computes_what_its_twin_computes(models):
                                                      if moe else [])
     qkvz = target.model.layers[0].linear_attn.in_proj_qkvz
     assert [s.key.rsplit(".", 1)[1] for s in qkvz.exl3_shards] == ["in_proj_qkv", "in_proj_z"]
-    plain = _plain_tensors_identical(target, twin)  # the layers the checkpoint keeps unquantized, loaded as stored
+    plain = plain_tensors_identical(target, twin)  # the layers the checkpoint keeps unquantized, loaded as stored
     for name in ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight",
                  "linear_attn.in_proj_ba.weight", "linear_attn.norm.weight"):
         assert f"model.layers.0.{name}" in plain, name
@@ -143,9 +112,9 @@ def test_the_mtp_draft_computes_what_its_twin_computes(models):
     assert _experts_equal_the_twin(draft, twin_draft) == (["model.layers.0.mlp.experts"] if moe else [])
     x = torch.randn(3, 2 * draft.config.hidden_size).half()
     got = draft.fc(x)  # called as the class calls its nn.Linear: the output alone
-    assert isinstance(got, torch.Tensor) and _rel(got, twin_draft.fc(x.float())) < REL_TOL
+    assert isinstance(got, torch.Tensor) and rel(got, twin_draft.fc(x.float())) < REL_TOL
     # the embedding and head are the target's, handed over by SGLang's draft worker (the MTP loader reads neither)
-    plain = _plain_tensors_identical(draft, twin_draft, skip=("model.embed_tokens.weight", "lm_head.weight"))
+    plain = plain_tensors_identical(draft, twin_draft, skip=("model.embed_tokens.weight", "lm_head.weight"))
     assert {"pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight", "model.norm.weight"} <= set(plain)
 
 
