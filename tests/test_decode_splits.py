@@ -63,7 +63,8 @@ def test_one_launch_cuts_k_into_whole_blocks_within_one_wave():
 
 
 def test_one_launch_serves_rows_whose_x_slice_fits():
-    """The lm_head's slice (256 tiles at one split) fits 96 KB of shared memory for 11 rows, not 12; never above 16."""
+    """The lm_head's slice (256 tiles at one split) fits 96 KB of shared memory for 11 rows, not 12; never above 16, nor
+    above the rows it is made for."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
 
     head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 8016, 128256, 128256, 8,
@@ -72,3 +73,5 @@ def test_one_launch_serves_rows_whose_x_slice_fits():
     small = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 64, 1024, 8192, 8, 32],
                                               1), torch.zeros(8))
     assert small.serves(16) and not small.serves(17)
+    one_row = Exl3OneLaunch(small.group, small.counters, max_m=1)  # SGLANG_EXL3_ONE_LAUNCH_MAX_M's default
+    assert one_row.serves(1) and not one_row.serves(2)

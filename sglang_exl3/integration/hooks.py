@@ -27,7 +27,7 @@ indexes its buffer with None; the hook hands the block's layer id to its TopK wh
 from __future__ import annotations
 
 from sglang_exl3 import knobs
-from sglang_exl3.layers.exl3_config import active_config
+from sglang_exl3.layers.exl3_config import Exl3Config, active_config
 
 
 def lm_head_quant_config(original, self, *args, **kwargs):
@@ -217,7 +217,7 @@ def mtp_fc_quantized(original, self, *args, **kwargs):
     an EXL3 layer where the class builds a plain `nn.Linear` (layers/plain_linear.py)."""
     result = original(self, *args, **kwargs)
     config = getattr(self, "quant_config", None)
-    if getattr(config, "get_name", lambda: None)() == "exl3":
+    if isinstance(config, Exl3Config):
         from sglang_exl3.layers.plain_linear import quantize_plain_linear
 
         quantize_plain_linear(self, "fc", config, "mtp.fc")
@@ -236,11 +236,10 @@ def nextn_eh_proj_quantized(original, self, *args, **kwargs):
 
     result = original(self, *args, **kwargs)
     config = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("quant_config")
-    layer = getattr(config, "nextn_layer", None)
-    if getattr(config, "get_name", lambda: None)() == "exl3" and layer is not None:
+    if isinstance(config, Exl3Config) and config.nextn_layer is not None:
         from sglang_exl3.layers.plain_linear import quantize_plain_linear
 
-        quantize_plain_linear(self, "eh_proj", config, f"model.layers.{layer}.eh_proj",
+        quantize_plain_linear(self, "eh_proj", config, f"model.layers.{config.nextn_layer}.eh_proj",
                               tuple_output=type(self).__name__ in _NEXTN_TUPLE_EH_PROJ)
     return result
 

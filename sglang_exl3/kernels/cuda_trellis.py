@@ -1013,15 +1013,17 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> 
 @dataclass(frozen=True)
 class Exl3OneLaunch:
     """A dense linear or same-input group run as one launch for decode-sized m (`exl3_linear_decode`): its group
-    table at splits that cut K into whole 128-blocks (each block rotates its own slice of x) and its arrival counters
-    (one per 128 output columns; zero between calls). Built once per layer at load."""
+    table at splits that cut K into whole 128-blocks (each block rotates its own slice of x), its arrival counters
+    (one per 128 output columns; zero between calls) and the most rows it is used for. Built once per layer at load."""
 
     group: Exl3Group
     counters: torch.Tensor
+    max_m: int = ONE_LAUNCH_MAX_ROWS
 
     def serves(self, m: int) -> bool:
-        """Whether m rows fit the launch: at most ONE_LAUNCH_MAX_ROWS, the x slice within XS_GROUP_SMEM_BYTES."""
-        return m <= ONE_LAUNCH_MAX_ROWS and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
+        """Whether m rows run as this launch: at most max_m (and ONE_LAUNCH_MAX_ROWS), the x slice within
+        XS_GROUP_SMEM_BYTES."""
+        return m <= min(self.max_m, ONE_LAUNCH_MAX_ROWS) and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
 
 
 def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) -> int | None:
@@ -1033,14 +1035,14 @@ def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) ->
 
 
 def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
-                    codebook: Codebook) -> Exl3OneLaunch | None:
-    """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, or None
-    where it cannot run them (K or an N not whole 128-blocks)."""
+                    codebook: Codebook, max_m: int = ONE_LAUNCH_MAX_ROWS) -> Exl3OneLaunch | None:
+    """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, used for up
+    to max_m rows, or None where it cannot run them (K or an N not whole 128-blocks)."""
     splits = one_launch_splits(tiles[0].shape[1], [t.shape[0] for t in tiles], tiles[0].device)
     if splits is None:
         return None
     group = make_group(tiles, suh, svh, codebook, splits=[splits] * len(tiles))
-    return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device))
+    return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m)
 
 
 def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor) -> torch.Tensor:

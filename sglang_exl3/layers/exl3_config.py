@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections import Counter
 from typing import Any
 
 import torch
@@ -200,10 +201,9 @@ class Exl3Config(QuantizationConfig):
             if cand in self.checkpoint.modules:
                 return self.checkpoint.modules[cand]
         if self._plain_index is None:  # exllamav3 keeps `model.language_model.` where SGLang's text classes drop it
-            counts: dict[str, int] = {}
-            for k in self.checkpoint.modules:
-                counts[_plain(k)] = counts.get(_plain(k), 0) + 1
-            self._plain_index = {_plain(k): r for k, r in self.checkpoint.modules.items() if counts[_plain(k)] == 1}
+            plain = {k: _plain(k) for k in self.checkpoint.modules}
+            counts = Counter(plain.values())
+            self._plain_index = {p: self.checkpoint.modules[k] for k, p in plain.items() if counts[p] == 1}
         return self._plain_index.get(_plain(key))
 
     def _source_records(self, prefix: str) -> dict[object, Exl3ModuleRecord | None]:

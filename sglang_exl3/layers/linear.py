@@ -141,16 +141,18 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
 
 
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
-    """The layer's one-launch form on our CUDA kernels (up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows): its sources, or its
-    one source, as one launch with the rotations folded in; None where they cannot share it, and for the lm_head: each
-    of its ~2,400 blocks re-rotates all of x (one split), which measured 7% slower than three launches at m = 1
+    """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows (read once, at
+    load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
+    folded in; None where the knob is 0, they cannot share it, and for the lm_head: each of its ~2,400 blocks
+    re-rotates all of x (one split), which measured 7% slower than three launches at m = 1
     (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936)."""
-    if backend != Backend.CUDA or lm_head or int(knobs.get("ONE_LAUNCH_MAX_M")) == 0 or not _share_launches(shards):
+    max_m = int(knobs.get("ONE_LAUNCH_MAX_M"))
+    if backend != Backend.CUDA or lm_head or max_m == 0 or not _share_launches(shards):
         return None
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
     return make_one_launch([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
-                           shards[0].codebook)
+                           shards[0].codebook, max_m)
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
@@ -203,7 +205,6 @@ def attach_shards(layer: torch.nn.Module, shards: list[Exl3Shard], backend: Back
     layer.exl3_shards = shards
     layer.exl3_group = group_shards(shards, backend)
     layer.exl3_one_launch = one_launch_shards(shards, backend, lm_head=isinstance(layer, ParallelLMHead))
-    layer.exl3_one_launch_max_m = int(knobs.get("ONE_LAUNCH_MAX_M"))  # read once: the environment costs ~2 us
     layer.exl3_backend = int(backend)
 
 
@@ -317,7 +318,8 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     act = torch.bfloat16 if x.dtype == torch.bfloat16 and layer.exl3_backend == Backend.CUDA else torch.float16
     xa = pad_input(x.reshape(-1, width).to(act), layer.exl3_shards[0].in_features, where)
     one = layer.exl3_one_launch
-    if one is not None and xa.shape[0] <= layer.exl3_one_launch_max_m and one.serves(xa.shape[0]):
+    one_launch = one is not None and one.serves(xa.shape[0])
+    if one_launch:
         y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook)
     elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
@@ -326,8 +328,8 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if output_check.enabled(layer, xa):
         want = torch.cat([output_check.shard_reference(xa, s) for s in layer.exl3_shards], dim=-1)
-        path = "one-launch" if one is not None and xa.shape[0] <= layer.exl3_one_launch_max_m else \
-            "group" if layer.exl3_group is not None else Backend(layer.exl3_backend).name.lower()
+        path = "one-launch" if one_launch else "group" if layer.exl3_group is not None else \
+            Backend(layer.exl3_backend).name.lower()
         output_check.report(layer, where, path, xa, y, want)
     if bias is not None:
         y = y.float() + bias.float()
