@@ -1624,10 +1624,11 @@ int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows,
   const int items = rows * (cols / 128);
   const dim3 grid((items + 7) / 8), block(256);
   auto s = (cudaStream_t)stream;
-  if (x_bf16)
-    had_in_kernel<<<grid, block, 0, s>>>((const __nv_bfloat16*)x, (const half*)suh, (half*)out, rows, cols);
-  else
-    had_in_kernel<<<grid, block, 0, s>>>((const half*)x, (const half*)suh, (half*)out, rows, cols);
+  auto launch = [&](auto* xp) {
+    had_in_kernel<<<grid, block, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
+  };
+  if (x_bf16) launch((const __nv_bfloat16*)x);
+  else launch((const half*)x);
   return (int)cudaGetLastError();
 }
 
@@ -1662,10 +1663,11 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
-  if (x_bf16)
-    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols);
-  else
-    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, srcs, num, (half*)xh_all, m, cols);
+  auto rotate_in = [&](auto* xp) {
+    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>(xp, srcs, num, (half*)xh_all, m, cols);
+  };
+  if (x_bf16) rotate_in((const __nv_bfloat16*)x);
+  else rotate_in((const half*)x);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int code = [&]() -> int {
@@ -1678,10 +1680,11 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
   if (code != 0) return code;
-  if (y_bf16)
-    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (__nv_bfloat16*)out, m, total_cols);
-  else
-    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, (half*)out, m, total_cols);
+  auto rotate_out = [&](auto* o) {
+    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
+  };
+  if (y_bf16) rotate_out((__nv_bfloat16*)out);
+  else rotate_out((half*)out);
   return (int)cudaGetLastError();
 }
 
@@ -1695,8 +1698,7 @@ int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void
                        long long counters_len, void* out, int m, int k_tiles, int total_items, int total_cols, int k2,
                        int codebook, int xs_slice, void* stream) {
   if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
-      total_cols <= 0 ||
-      total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128)
+      total_cols <= 0 || total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128)
     return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
