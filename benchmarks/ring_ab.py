@@ -6,7 +6,8 @@ grows with m (the slice must fit the budget) and with it the fp32 partials. The 
 x chunk) streams x through a shared-memory ring, so any split count works at any m; above 64 rows it runs 64-row
 blocks, each decoding the weights again. Whole linear (both rotations) unless the column says `gemm`; CUDA-graph
 replay over weight copies larger than L2. The ring's partials are checked against the global-load kernel's, bit
-for bit, per 64-row block.
+for bit, per 64-row block. Groups: the layer's policy, whose ring launch rotates its own output (arrival counters),
+against the same with the output rotation as its own launch (`ring_rotates_out=False`).
 
   python benchmarks/ring_ab.py [--shapes 4096x14336,...] [--ms 1,8,...] [--bits 4] [--codebooks mcg] [--groups ..]
 
@@ -104,15 +105,19 @@ def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]
     for m in ms:
         x = torch.randn(m, k, generator=gen).half().cuda()
 
-        def policy(i: int, x=x) -> torch.Tensor:
+        def policy(i: int, x=x, rotates_out: bool = True) -> torch.Tensor:
             tiles, suh, svh, group = sets[i % copies]
             if group.runs_fused(x.shape[0]):
-                return ck.group_linear(x, group)
+                return ck.group_linear(x, group, ring_rotates_out=rotates_out)
             return torch.cat([ck.exl3_linear(x, t, s, v, cb) for t, s, v in zip(tiles, suh, svh, strict=True)], 1)
 
         row = {"group": name, "k": k, "n": "+".join(map(str, widths)), "m": m, "bits": bits, "codebook": cb.label,
-               "policy_us": graph_us(policy, copies)}
-        want = policy(0).float()
+               "policy_us": graph_us(policy, copies),
+               "policy_rotate_out_launch_us": graph_us(lambda i: policy(i, rotates_out=False), copies)}
+        row["in_launch_gain"] = round(row["policy_rotate_out_launch_us"] / row["policy_us"], 3)
+        want = policy(0, rotates_out=False).float()
+        if not torch.equal(policy(0).float(), want):
+            raise AssertionError(f"group {name} m={m}: the in-launch output rotation differs")
         for mode in ck.RING_MODES:
             got = ck.group_linear(x, sets[0][3], ring=mode).float()
             rel = float((got - want).norm() / want.norm())
@@ -138,7 +143,7 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",")]
     cbs = [Codebook.from_label(c) for c in args.codebooks.split(",")]
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         for bits in (int(b) for b in args.bits.split(",")):
             rows += bench_shape(k, n, bits, ms, cbs)
@@ -147,14 +152,16 @@ def main() -> int:
                  key=lambda c: (int(c[4:6]), int(c.split("_s")[1][:-3])))
     cols = ["k", "n", "m", "bits", "codebook", "bf16_us", "policy_us", "ring_best_us", "ring_best", "ring_gemm_us",
             "ring_vs_policy", "ring_vs_bf16"] + dyn
-    write_results("ring-ab", header(sys.argv), rows, cols)
+    if rows:
+        write_results("ring-ab", header(sys.argv), rows, cols)
     group_rows = []
     for name in filter(None, args.groups.split(",")):
         group_rows += bench_group(name, int(args.bits.split(",")[0]), ms, cbs[0])
         torch.cuda.empty_cache()
     if group_rows:
         write_results("ring-ab-groups", header(sys.argv), group_rows,
-                      ["group", "k", "n", "m", "bits", "codebook", "policy_us"]
+                      ["group", "k", "n", "m", "bits", "codebook", "policy_us", "policy_rotate_out_launch_us",
+                       "in_launch_gain"]
                       + [f"ring{mode}_us" for mode in ck.RING_MODES] + ["ring_vs_policy"])
     return 0
 

@@ -80,11 +80,11 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 81, None) == -3  # N tiles % 8
     assert lib.exl3_gemm_partial_ring(None, None, None, 0, 16, 8, 1, 8, 1, 82, None) == -3  # m = 0
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 9, 1, 81, None) == -1  # 4.5 bits in MCG
-    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, p]
+    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
 
-    def one_launch(m=1, k_tiles=16, items=8, cols=128, k2=8, counters=1, xs_slice=16):
+    def one_launch(m=1, k_tiles=16, items=8, cols=128, k2=8, counters=1, xs_slice=16, warps=4):
         return lib.exl3_linear_decode(None, 0, None, 1, None, None, counters, None, m, k_tiles, items, cols, k2, 1,
-                                      xs_slice, None)
+                                      xs_slice, warps, 1, None)
 
     assert one_launch(m=0) == one_launch(m=17) == -3  # 1-16 rows
     assert one_launch(k_tiles=12) == -3  # K not whole 128-blocks
@@ -92,8 +92,19 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert one_launch(xs_slice=12) == -3  # a slice of a partial 128-block
     assert one_launch(counters=0) == -3  # fewer counters than 128-column blocks
     assert one_launch(items=6) == -3  # a block's warps would straddle sources
+    assert one_launch(items=12, warps=8) == -3  # the same for 8-warp blocks
+    assert one_launch(warps=6) == -3  # 4 or 8 warps per block
     assert one_launch(m=16, k_tiles=256, xs_slice=256) == -3  # 131 KB x slice > 96 KB
     assert one_launch(k2=9) == -1  # 4.5 bits in MCG
+    lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
+
+    def ring_rotating_out(m=64, ring=82, counters_len=2):  # counters never read: refused before any launch
+        return lib.exl3_group_linear(None, 0, None, 1, None, None, None, 0, m, 16, 16, 256, 8, 1, 0, ring, 8,
+                                     counters_len, None)
+
+    assert ring_rotating_out(ring=0) == -3  # counters without the ring
+    assert ring_rotating_out(counters_len=1) == -3  # 256 columns: two counters per 64-row block
+    assert ring_rotating_out(m=65) == -3  # two 64-row blocks need four
 
 
 @pytest.mark.slow

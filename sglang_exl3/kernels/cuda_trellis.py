@@ -29,7 +29,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 16
+ABI_VERSION = 17
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -37,6 +37,7 @@ FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows
 # N % 128 == 0 (8 warps of 16 columns); other shapes keep the older kernels up to 64 rows.
 RING_MIN_M, RING_MAX_M = 16, 128
 RING_BLOCK_ROWS = 64  # rows per ring block (blockIdx.y): more rows decode the weights again per block
+RING_COUNTER_ROW_BLOCKS = -(-RING_MAX_M // RING_BLOCK_ROWS)  # a group's ring counters cover up to RING_MAX_M rows
 # Above this m: reconstruct + cuBLAS. It is the default of SGLANG_EXL3_FUSED_MAX_M, which overrides it
 # (fused_crossover_m()): the ring measured 1.01-1.23x of reconstruct + cuBLAS at 128 rows (ring-ab-h200).
 FUSED_CROSSOVER_M = knobs.KNOBS["FUSED_MAX_M"].default
@@ -59,6 +60,9 @@ XS_PARTIAL_BYTES = 64 << 20
 # 1.68x of reconstruct + cuBLAS at m = 64 (kernels-h200). Single linears and groups then take reconstruct + cuBLAS.
 GLOBAL_LOADS_MAX_M = 32
 ONE_LAUNCH_MAX_ROWS = 16  # one_launch_linear: one or two 8-row groups (from 16 rows the x ring serves)
+# Warps per one-launch block from this many rows: every block rotates its K slice of x for every row, so 8-warp blocks
+# (a whole 128-column block each) halve that repeated work against 4-warp ones (half a column block).
+ONE_LAUNCH_WIDE_FROM_M = 2
 
 
 class KernelLibraryUnavailable(RuntimeError):
@@ -210,8 +214,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_gemm_partial_ring.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_had_in.argtypes = [p, i, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, i, p]
-    lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p]
-    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, p]
+    lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
+    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
@@ -555,6 +559,9 @@ class Exl3Group:
     codebook: int
     sources: tuple = ()
     max_slice: int = 0  # the longest K slice of any source, in tiles (sizes x in shared memory)
+    # int32 [RING_COUNTER_ROW_BLOCKS * total_cols / 128], zero between calls: with them the ring GEMM rotates its own
+    # output (the last block of each 64 rows x 128 columns), one launch fewer
+    ring_counters: torch.Tensor | None = None
 
     @property
     def meta(self) -> list[int]:
@@ -563,10 +570,12 @@ class Exl3Group:
                 self.max_slice]
 
     @classmethod
-    def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int) -> Exl3Group:
+    def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int,
+                  ring_counters: torch.Tensor | None = None) -> Exl3Group:
         num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice = meta
         return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
-                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice)
+                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice,
+                   ring_counters=ring_counters)
 
     def runs_fused(self, m: int) -> bool:
         """Whether m rows run as this group's one fused launch: up to fused_crossover_m(); through the x ring from
@@ -587,6 +596,11 @@ class Exl3Group:
         slice fits XS_GROUP_SMEM_BYTES (the group's splits are fixed at load, unlike a single linear's)."""
         fits = xs_smem(m, self.max_slice) <= XS_GROUP_SMEM_BYTES
         return self.max_slice if use_xs(m, self.codebook) and fits else 0
+
+    def ring_counters_for(self, m: int) -> torch.Tensor | None:
+        """The counters with which m rows' ring launch rotates its own output; None where they cannot cover m."""
+        c = self.ring_counters
+        return c if c is not None and c.numel() >= -(-m // RING_BLOCK_ROWS) * (self.total_cols // 128) else None
 
 
 def _check_source(what: str, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> None:
@@ -617,9 +631,10 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
         sources.append((t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp))
     rows, item, col, base = group_table(sources)
     table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
+    counters = torch.zeros(RING_COUNTER_ROW_BLOCKS * col // 128, dtype=torch.int32, device=tiles[0].device)
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)),
-                     max_slice=max(-(-kt // src[4]) for src in sources))
+                     max_slice=max(-(-kt // src[4]) for src in sources), ring_counters=counters)
 
 
 def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:
@@ -827,20 +842,26 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk:
 
 def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
               total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0,
-              ring: int = 0) -> torch.Tensor:
+              ring: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
     """[m, total_cols] of x's dtype: the three launches of a group over a table of `num` sources (x fp16 or bf16
     rows as the table's x_row fields address them; bf16 in and out give what casting around an fp16 call gives).
     Sources with n_tiles = 0 are skipped; the items and columns counted for them may be an upper bound. xs_slice > 0:
     x staged in shared memory for K slices up to that many tiles; `ring` (a RING_MODES mode): x through the
-    shared-memory ring instead (any m)."""
+    shared-memory ring instead (any m); with `counters` (Exl3Group.ring_counters_for) the ring launch rotates its
+    own output: two launches, the same values."""
     _check_act("x", x, (x.shape[0], k_tiles * 16))
+    if counters is not None and (not ring or counters.dtype != torch.int32 or counters.device != x.device):
+        raise ValueError(f"group_run: counters need the ring and int32 on {x.device}, got ring {ring}, "
+                         f"{counters.dtype} on {counters.device}")
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=x.dtype, device=x.device)
     bf16 = int(x.dtype == torch.bfloat16)
     _check(load_library().exl3_group_linear(x.data_ptr(), bf16, table.data_ptr(), num, xh.data_ptr(),
                                             partial.data_ptr(), out.data_ptr(), bf16, m, k_tiles, total_items,
-                                            total_cols, k2, codebook, xs_slice, ring, _stream(x)), "group linear")
+                                            total_cols, k2, codebook, xs_slice, ring,
+                                            0 if counters is None else counters.data_ptr(),
+                                            0 if counters is None else counters.numel(), _stream(x)), "group linear")
     return out
 
 
@@ -998,16 +1019,19 @@ def routed_linear(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tenso
     return outs
 
 
-def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None) -> torch.Tensor:
+def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, ring_rotates_out: bool = True
+                 ) -> torch.Tensor:
     """[m, sum N] = the concatenated outputs of every source of the group for fp16 or bf16 x [m, K] (y of x's
     dtype). `ring`: a RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load
-    kernels (m <= 64), or None for the group's policy (Exl3Group.ring_mode)."""
+    kernels (m <= 64), or None for the group's policy (Exl3Group.ring_mode). With the ring, the ring launch rotates
+    its own output where the group's counters cover m (ring_rotates_out=False: the separate launch)."""
     m = x.shape[0]
     ring = group.ring_mode(m) if ring is None else ring
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
+    counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
     return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
-                     group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring)
+                     group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring, counters)
 
 
 @dataclass(frozen=True)
@@ -1045,10 +1069,21 @@ def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: lis
     return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m)
 
 
-def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor) -> torch.Tensor:
+def one_launch_warps(m: int) -> int:
+    """Warps per block of the one-launch linear for m rows (ONE_LAUNCH_WIDE_FROM_M)."""
+    return 8 if m >= ONE_LAUNCH_WIDE_FROM_M else 4
+
+
+def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, warps: int | None = None,
+                      pdl: bool = True) -> torch.Tensor:
     """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
-    the same splits). The group's splits must cut K into whole 128-blocks (make_one_launch's table)."""
+    the same splits, for either block width). The group's splits must cut K into whole 128-blocks (make_one_launch's
+    table). warps: 4 or 8 per block (default one_launch_warps(m)); pdl: launched as a programmatic dependent of the
+    kernel before it (its first weight loads overlap that kernel's end)."""
     m = x.shape[0]
+    warps = warps or one_launch_warps(m)
+    if warps not in (4, 8):
+        raise ValueError(f"one_launch_linear: warps must be 4 or 8, got {warps}")
     _check_act("x", x, (m, group.k_tiles * 16))
     if m > ONE_LAUNCH_MAX_ROWS:
         raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
@@ -1061,6 +1096,7 @@ def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor)
     _check(load_library().exl3_linear_decode(x.data_ptr(), bf16, group.table.data_ptr(), group.num,
                                              partial.data_ptr(), counters.data_ptr(), counters.numel(),
                                              out.data_ptr(), m, group.k_tiles, group.total_items, group.total_cols,
-                                             group.k2, group.codebook, group.max_slice, _stream(x)),
+                                             group.k2, group.codebook, group.max_slice, warps, int(pdl),
+                                             _stream(x)),
            "one-launch linear")
     return out

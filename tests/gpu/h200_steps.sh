@@ -2,6 +2,8 @@
 # The GPU steps (docs/gpu.md), run on the warm machine; several steps may share one `run` call:
 #   bash tests/gpu/h200_steps.sh STEP [STEP ...]
 # kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only); unpacks bundle part a1 when carried
+# oneab     carry .kbuild                 benchmarks/one_launch_ab.py, torch only ($ONEAB_ARGS); then
+#                                         benchmarks/ring_ab.py when $RING_ARGS is set
 # site1     carry .devbundle/a1           unpack bundle part a1 (the tree + a1 + .kbuild exceed one call's 64 MiB)
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
@@ -92,6 +94,15 @@ run_step() {
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$work/gpu.txt"
     PYTHONPATH=$PWD timeout "${KERNELS_TIMEOUT:-400}" python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
       tests/gpu/test_codec_cuda.py tests/gpu/test_encode_cuda.py -s 2>&1 | tee "$work/pytest.txt" | tail -20
+    ;;
+  oneab)  # benchmarks/one_launch_ab.py: the one-launch linear at 4 / 8 warps, PDL on / off, against three launches
+    PYTHONPATH=$PWD timeout "${ONEAB_TIMEOUT:-400}" python3 benchmarks/one_launch_ab.py ${ONEAB_ARGS:-} 2>&1 |
+      tee "$work/oneab.txt" | grep -v "^{" | tail -6
+    if [ -n "${RING_ARGS+x}" ]; then  # benchmarks/ring_ab.py, torch only (e.g. --shapes '' for the groups alone)
+      PYTHONPATH=$PWD timeout "${RING_TIMEOUT:-300}" python3 benchmarks/ring_ab.py ${RING_ARGS} 2>&1 |
+        tee "$work/ring.txt" | grep -v "^{" | tail -6
+    fi
+    cp benchmarks/results/one-launch-ab* benchmarks/results/ring-ab* "$work/" 2>/dev/null
     ;;
   site1) tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site && echo "site1 unpacked" ;;
   site2) tar -xJf .devbundle/a2/site2.tar.xz -C /tmp/site && touch /tmp/site/.part_a && echo "site2 unpacked" ;;

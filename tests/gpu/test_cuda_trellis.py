@@ -290,7 +290,8 @@ def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)])
 def test_group_with_x_ring_is_bit_identical(cb, bits):
     """The group GEMM with x through the shared-memory ring writes what global loads write, bit for bit, for
-    sources of different widths and splits; above 64 rows it equals the group run on each 64-row block."""
+    sources of different widths and splits; above 64 rows it equals the group run on each 64-row block. With
+    arrival counters the ring launch rotates its own output: the same bits, fp16 and bf16, counters left zero."""
     k, widths = 1024, (512, 128, 256)
     srcs = [_case(k, n, bits, 16, seed=70 + i) for i, n in enumerate(widths)]
     tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
@@ -303,29 +304,43 @@ def test_group_with_x_ring_is_bit_identical(cb, bits):
         return ck.group_run(rows.contiguous(), group.table, group.num, m, group.k_tiles, group.total_items,
                             group.total_cols, group.partial_per_row, group.k2, group.codebook, **kw)
 
+    counters = torch.zeros(3 * group.total_cols // 128, dtype=torch.int32, device="cuda")  # three 64-row blocks
     for m in (1, 9, 16, 33, 64, 150):
         want = torch.cat([run(x[r0:min(m, r0 + 64)]) for r0 in range(0, m, 64)])
         for mode in ck.RING_MODES:
             got = run(x[:m], ring=mode)
             assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), \
                 f"m={m} mode={mode}"
+            got = run(x[:m], ring=mode, counters=counters)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"m={m} mode={mode}, rotated in-launch"
+            assert not counters.any(), f"counters left set: m={m} mode={mode}"
+    xb = x[:64].bfloat16()
+    want = run(xb, ring=82)
+    assert want.dtype == torch.bfloat16
+    assert torch.equal(run(xb, ring=82, counters=counters).view(torch.int16), want.view(torch.int16))
+    assert group.ring_counters_for(128) is not None and group.ring_counters_for(129) is None
+    assert torch.equal(ck.group_linear(x[:100], group).view(torch.int16),
+                       ck.group_linear(x[:100], group, ring_rotates_out=False).view(torch.int16))
 
 
-def test_group_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("m", [1, 48])  # the x-slice GEMM; the ring rotating its own output (counters)
+def test_group_captures_in_a_cuda_graph(m):
     srcs = [_case(256, n, 3, 1, seed=40 + i) for i, n in enumerate((256, 128))]
     group = ck.make_group([ck.prepare(t.cuda()) for t, _, _, _ in srcs], [s.cuda() for _, s, _, _ in srcs],
                           [v.cuda() for _, _, v, _ in srcs], Codebook.MUL1)
-    static_x = torch.zeros(1, 256, device="cuda").half()
+    static_x = torch.zeros(m, 256, device="cuda").half()
     ck.group_linear(static_x, group)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = ck.group_linear(static_x, group)
-    fresh = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)).half()
-    static_x.copy_(fresh.cuda())
-    graph.replay()
-    ref = torch.cat([exl3_linear_reference(fresh, t, s, v, Codebook.MUL1) for t, s, v, _ in srcs], dim=1)
-    assert _rel(static_y.cpu(), ref) < 2e-3
+    for seed in (3, 4):  # twice: the counters reset themselves
+        fresh = torch.randn(m, 256, generator=torch.Generator().manual_seed(seed)).half()
+        static_x.copy_(fresh.cuda())
+        graph.replay()
+        ref = torch.cat([exl3_linear_reference(fresh, t, s, v, Codebook.MUL1) for t, s, v, _ in srcs], dim=1)
+        assert _rel(static_y.cpu(), ref) < 2e-3
+        assert not group.ring_counters.any()
 
 
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2),
@@ -335,7 +350,7 @@ def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
     """The one-launch linear (each block rotates its K slice of x; the last block per 128 columns sums the partials and
     rotates them into the output) writes what the group's three launches write at the same splits, bit for bit, for a
     q/k/v-like group and a single source at row counts up to 16 (one and two row groups), and leaves its counters
-    zero."""
+    zero, for 4- and 8-warp blocks, launched as a programmatic dependent or not."""
     k, widths = 1024, (384, 128, 128)
     srcs = [_case(k, n, bits, 16, seed=80 + i) for i, n in enumerate(widths)]
     tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
@@ -347,10 +362,12 @@ def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
         for m in (1, 2, 5, 8, 13, 16):
             want = ck.group_run(x[:m], g.table, g.num, m, g.k_tiles, g.total_items, g.total_cols, g.partial_per_row,
                                 g.k2, g.codebook)
-            got = ck.one_launch_linear(x[:m], g, one.counters)
-            assert got.dtype == dtype and torch.isfinite(got).all()
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{count} sources, m={m}"
-            assert not one.counters.any(), f"counters left set: {count} sources, m={m}"
+            for warps, pdl in ((4, True), (8, True), (8, False)):
+                got = ck.one_launch_linear(x[:m], g, one.counters, warps=warps, pdl=pdl)
+                case = f"{count} sources, m={m}, {warps} warps, pdl {pdl}"
+                assert got.dtype == dtype and torch.isfinite(got).all()
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), case
+                assert not one.counters.any(), f"counters left set: {case}"
     ref = torch.cat([exl3_linear_reference(x[:3].cpu().half(), t, s, v, cb) for t, s, v, _ in srcs], dim=1)
     got = ck.one_launch_linear(x[:3].half(), ck.make_one_launch(tiles, suh, svh, cb).group,
                                ck.make_one_launch(tiles, suh, svh, cb).counters)

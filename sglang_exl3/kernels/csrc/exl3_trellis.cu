@@ -758,21 +758,6 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* 
                                      m, k_tiles, src.n_tiles, src.splits, local, xs);
 }
 
-// The same through the x ring (any m, 64-row blocks). Every source's items are a multiple of KW (n_tiles % KW == 0),
-// so a block's warps share one source and one K split, as in gemm_group_xs_kernel.
-template <int K2, int CB, int MT, int KW, int CG>
-__global__ void __launch_bounds__(KW * 32) gemm_group_ring_kernel(const half* __restrict__ xh_all,
-                                                                 const GroupSource* __restrict__ srcs, int num,
-                                                                 float* __restrict__ partial, int m, int k_tiles,
-                                                                 int total_items) {
-  extern __shared__ uint4 ring[];
-  int s, local;
-  if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
-  const GroupSource& src = srcs[s];
-  ring_warp<K2, CB, MT, KW, CG>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
-                                k_tiles, src.n_tiles, src.splits, local, ring);
-}
-
 // Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
 // within a bank, so the offsets are arithmetic. ids are the routing as it comes (int32 or int64, flattened
 // [tokens * top-k]); an id below 0 (another expert-parallel rank's expert) reads expert 0 and is weighed 0 by the
@@ -872,10 +857,9 @@ __device__ __forceinline__ void butterfly128(float (&v)[4], int lane) {
   }
 }
 
-// fp16(r_scale * H(fp16(x * suh))) of one 128-block held in registers (lane: 4 consecutive elements)
-__device__ __forceinline__ void had_in_values(const half (&xp)[4], const half* __restrict__ suh,
-                                              half* __restrict__ out, int lane) {
-  const uint2 sv = *reinterpret_cast<const uint2*>(suh + lane * 4);
+// fp16(r_scale * H(fp16(x * suh))) of one 128-block held in registers (lane: 4 consecutive elements of x and of
+// suh, the latter as loaded: sv)
+__device__ __forceinline__ void had_in_scaled(const half (&xp)[4], uint2 sv, half* __restrict__ out, int lane) {
   const half* sp = reinterpret_cast<const half*>(&sv);
   float v[4];
 #pragma unroll
@@ -886,6 +870,10 @@ __device__ __forceinline__ void had_in_values(const half (&xp)[4], const half* _
 #pragma unroll
   for (int i = 0; i < 4; ++i) op[i] = __float2half_rn(v[i] * kRScale);
   *reinterpret_cast<uint2*>(out + lane * 4) = o;
+}
+__device__ __forceinline__ void had_in_values(const half (&xp)[4], const half* __restrict__ suh,
+                                              half* __restrict__ out, int lane) {
+  had_in_scaled(xp, *reinterpret_cast<const uint2*>(suh + lane * 4), out, lane);
 }
 
 // 4 consecutive inputs as fp16: bf16 is rounded to fp16 first, exactly what casting x to fp16 beforehand does
@@ -1137,20 +1125,42 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Row 0 of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), computed by the block's warps one 128-block
-// each, laid out as stage_x lays out one row; returns the lane's ldmatrix address (MT = 1).
-template <typename T>
-__device__ __forceinline__ uint32_t stage_x_rotated(const T* __restrict__ x, const half* __restrict__ suh, int kt0,
-                                                    int kt1, uint4* __restrict__ xs) {
-  half* row = reinterpret_cast<half*>(xs);
+// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), laid out as stage_x lays
+// them out; rows past m zero (MT > 2) or absent (the ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do).
+// One warp per (row, 128-block) task, kStageBatch tasks' loads in flight before the first is rotated: one at a time,
+// a warp with 16-64 tasks (8 rows, 4096-wide K slices) waited out as many L2 latencies in a row. Returns the lane's
+// ldmatrix address, as stage_x does.
+constexpr int kStageBatch = 8;
+template <int MT, typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
+                                                         const half* __restrict__ suh, int kt0, int kt1,
+                                                         uint4* __restrict__ xs) {
+  const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1, tasks = rows * blocks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (int b = kt0 / 8 + warp; b < kt1 / 8; b += warps) {
-    half v[4];
-    load4_fp16(x + b * 128 + lane * 4, v);
-    had_in_values(v, suh + b * 128, row + (b * 8 - kt0) * 16, lane);
+  for (int i0 = warp; i0 < tasks; i0 += warps * kStageBatch) {
+    half v[kStageBatch][4];
+    uint2 sv[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
+      if (i < tasks && r < m) {
+        load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v[u]);
+        sv[u] = *reinterpret_cast<const uint2*>(suh + b * 128 + lane * 4);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
+      if (i >= tasks) break;
+      half* dst = reinterpret_cast<half*>(xs + r * stride16) + (b * 8 - kt0) * 16;
+      if (r < m) had_in_scaled(v[u], sv[u], dst, lane);
+      else *reinterpret_cast<uint2*>(dst + lane * 4) = make_uint2(0u, 0u);
+    }
   }
   __syncthreads();
-  return (uint32_t)__cvta_generic_to_shared(xs + ((lane >> 3) & 1));
+  const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
+  const int row = MT > 2 || r < m ? r : 0;
+  return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
 }
 
 // One block's arrival at a counter that `total` blocks reach; true (in every thread) for the last one, which has
@@ -1167,6 +1177,41 @@ __device__ __forceinline__ bool last_arrival(int* counter, int total, int* flag)
   const bool done = *flag;
   if (done) __threadfence();
   return done;
+}
+
+// The same through the x ring (any m, 64-row blocks). Every source's items are a multiple of KW (n_tiles % KW == 0),
+// so a block's warps share one source and one K split, as in gemm_group_xs_kernel. With `counters` (one per 64-row
+// block and 128 output columns, zero, left zero) the output rotation runs in the same launch: the last block to
+// finish a (64 rows, 128 columns) sums its splits' partials and rotates them into `out` [m, total_cols] (fp16, or
+// bf16 rounded from it), as had_out_group_kernel would, bit for bit; without, only the partials are written.
+template <int K2, int CB, int MT, int KW, int CG>
+__global__ void __launch_bounds__(KW * 32) gemm_group_ring_kernel(const half* __restrict__ xh_all,
+                                                                 const GroupSource* __restrict__ srcs, int num,
+                                                                 float* __restrict__ partial, int m, int k_tiles,
+                                                                 int total_items, int* __restrict__ counters,
+                                                                 void* __restrict__ out, int out_bf16,
+                                                                 int total_cols) {
+  extern __shared__ uint4 ring[];
+  __shared__ int flag;
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
+  const GroupSource& src = srcs[s];
+  float* part = partial + src.partial_base * m;
+  ring_warp<K2, CB, MT, KW, CG>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, part, m, k_tiles, src.n_tiles,
+                                src.splits, local, ring);
+  if (counters == nullptr) return;
+  const int N = src.n_tiles * 16, j = (local % src.n_tiles) / 8, c0 = j * 128, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.y * kRingMaxRows, rows = min(m - row0, kRingMaxRows);
+  int* counter = counters + (size_t)blockIdx.y * (total_cols / 128) + src.col_begin / 128 + j;
+  if (!last_arrival(counter, (8 / KW) * src.splits, &flag)) return;
+  for (int r = row0 + warp; r < row0 + rows; r += KW) {
+    half v[4];
+    had_out_values<float, true>(part + (size_t)r * N + c0, (size_t)m * N, src.splits, src.svh + c0, threadIdx.x & 31,
+                                v);
+    const size_t at = (size_t)r * total_cols + src.col_begin + c0 + (threadIdx.x & 31) * 4;
+    if (out_bf16) store4(reinterpret_cast<__nv_bfloat16*>(out) + at, v);
+    else store4(reinterpret_cast<half*>(out) + at, v);
+  }
 }
 
 // Block (pair p, 64 columns jb, role, split): grid pairs * (inter / 64) * 2 * gu_splits, kWarps warps.
@@ -1188,7 +1233,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArg
   const GroupSource& src = (role ? a.up : a.gate)[e];
   const int kt = a.hidden / 16, nt = a.inter / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* xrow = reinterpret_cast<const T*>(a.x) + (size_t)(p / a.topk) * a.hidden;
-  auto stage = [&](int kt0, int kt1) { return stage_x_rotated(xrow, src.suh, kt0, kt1, xs); };
+  auto stage = [&](int kt0, int kt1) { return stage_x_rotated_rows<1>(xrow, 1, a.hidden, src.suh, kt0, kt1, xs); };
   gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, a.partial_gu + (size_t)(p * 2 + role) * S * a.inter, 1, kt,
                                      nt, S, split * nt + jb * kWarps + warp, xs, stage);
   const int j = jb >> 1, c0 = j * 128;
@@ -1295,56 +1340,33 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // roundings and summation orders as the three launches: with the same splits the output is bit-identical. Counters
 // (one per 128 output columns of the group) are zero between calls; each is reset by the block that completes it.
 
-// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) = had_in(x * suh), rows past m zero (MT > 2) or absent (the
-// ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do); one warp per (row, 128-block). Returns the lane's
-// ldmatrix address, as stage_x does.
-template <int MT, typename T>
-__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
-                                                         const half* __restrict__ suh, int kt0, int kt1,
-                                                         uint4* __restrict__ xs) {
-  const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  for (int i = warp; i < rows * blocks; i += warps) {
-    const int r = i / blocks, b = kt0 / 8 + i % blocks;
-    half* dst = reinterpret_cast<half*>(xs + r * stride16) + (b * 8 - kt0) * 16;
-    if (r < m) {
-      half v[4];
-      load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v);
-      had_in_values(v, suh + b * 128, dst, lane);
-    } else {
-      *reinterpret_cast<uint2*>(dst + lane * 4) = make_uint2(0u, 0u);
-    }
-  }
-  __syncthreads();
-  const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
-  const int row = MT > 2 || r < m ? r : 0;
-  return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
-}
-
-// One warp per work item, as gemm_group_xs_kernel's (every source's items a multiple of 8: a block's 4 warps share
-// one source, one split and one half of a 128-column block); x and y [m, total_cols] in the model's dtype A (fp16 or
-// bf16).
-template <int K2, int CB, int MT, typename A>
-__global__ void __launch_bounds__(kWarps * 32) linear_decode_kernel(const A* __restrict__ x,
-                                                                    const GroupSource* __restrict__ srcs, int num,
-                                                                    float* __restrict__ partial,
-                                                                    int* __restrict__ counters, A* __restrict__ out,
-                                                                    int m, int k_tiles, int total_items,
-                                                                    int total_cols) {
+// One warp per work item, as gemm_group_xs_kernel's (every source's items a multiple of 8: a block's KW = 4 or 8 warps
+// share one source, one split and half of or a whole 128-column block); x and y [m, total_cols] in the model's dtype A
+// (fp16 or bf16). Launched as a programmatic dependent (PDL): the first trellis loads are issued before the wait for
+// the kernel that wrote x, and nothing is written before it.
+template <int K2, int CB, int MT, int KW, typename A>
+__global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x,
+                                                                const GroupSource* __restrict__ srcs, int num,
+                                                                float* __restrict__ partial,
+                                                                int* __restrict__ counters, A* __restrict__ out, int m,
+                                                                int k_tiles, int total_items, int total_cols) {
   extern __shared__ uint4 xs[];
   __shared__ int flag;
   int s, local;
-  if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
+  if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
   const int K = k_tiles * 16, N = src.n_tiles * 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const A* xs_rows0 = x + (size_t)src.x_row * K;
-  auto stage = [&](int kt0, int kt1) { return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs); };
+  auto stage = [&](int kt0, int kt1) {
+    pdl_wait();
+    return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
+  };
   float* part = partial + src.partial_base * m;
   gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
                                       stage);
   const int j = (local % src.n_tiles) / 8, c0 = j * 128;
-  if (!last_arrival(counters + src.col_begin / 128 + j, 2 * src.splits, &flag)) return;
-  for (int r = warp; r < m; r += kWarps) {
+  if (!last_arrival(counters + src.col_begin / 128 + j, (8 / KW) * src.splits, &flag)) return;
+  for (int r = warp; r < m; r += KW) {
     half v[4];
     had_out_values<float, true>(part + (size_t)r * N + c0, (size_t)m * N, src.splits, src.svh + c0, lane, v);
     store4(out + (size_t)r * total_cols + src.col_begin + c0 + lane * 4, v);
@@ -1440,13 +1462,15 @@ int launch_variant_gemm_ring(const half* xh, const uint32_t* trellis, float* par
 
 template <int K2, int CB>
 int launch_variant_gemm_group_ring(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
-                                   int total_items, int mode, cudaStream_t stream) {
+                                   int total_items, int mode, int* counters, void* out, int out_bf16, int total_cols,
+                                   cudaStream_t stream) {
   const int warps = mode / 10;
   if (total_items % warps) return -3;
   auto kernel_of = [](auto mt, auto kw, auto cg) {
     return gemm_group_ring_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, decltype(cg)::value>;
   };
-  return launch_ring(m, mode, total_items / warps, stream, kernel_of, xh_all, srcs, num, partial, m, kt, total_items);
+  return launch_ring(m, mode, total_items / warps, stream, kernel_of, xh_all, srcs, num, partial, m, kt, total_items,
+                     counters, out, out_bf16, total_cols);
 }
 
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
@@ -1469,22 +1493,45 @@ int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int n
   });
 }
 
+// kernel<<<grid, warps * 32, smem, stream>>>(args...), as a programmatic dependent of the launch before it when `pdl`
+template <typename... Params, typename... Args>
+int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pdl, cudaStream_t stream,
+              Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(warps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = pdl ? attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 template <int K2, int CB>
 int launch_variant_linear_decode(const void* x, int bf16, const GroupSource* srcs, int num, float* partial,
                                  int* counters, void* out, int m, int kt, int total_items, int total_cols,
-                                 int xs_slice, cudaStream_t stream) {
-  if (m > kOneLaunchMaxRows || total_items % kWarps) return -3;
+                                 int xs_slice, int warps, int pdl, cudaStream_t stream) {
+  if (m > kOneLaunchMaxRows || (warps != 4 && warps != 8) || total_items % warps) return -3;
   const int smem = xs_smem_bytes(m, xs_slice, 1);
-  auto launch = [&](auto* op) {
+  if (smem > kMaxXsSmem) return -3;
+  auto launch = [&](auto* op, auto mt, auto kw) {
     using A = std::remove_pointer_t<decltype(op)>;
-    auto kernel_of = [](auto mt) {  // 1 or 2 row groups; the larger ones never launch (m <= 16), so none is built
-      constexpr int MT = decltype(mt)::value;
-      return linear_decode_kernel<K2, CB, (MT <= 2 ? MT : 2), A>;
-    };
-    return launch_with_smem(m, smem, dim3(total_items / kWarps), stream, kernel_of, (const A*)x, srcs, num, partial,
-                            counters, op, m, kt, total_items, total_cols);
+    auto kernel = linear_decode_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, A>;
+    allow_smem(kernel, smem);
+    return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, srcs, num,
+                     partial, counters, op, m, kt, total_items, total_cols);
   };
-  return bf16 ? launch((__nv_bfloat16*)out) : launch((half*)out);
+  auto with_warps = [&](auto* op, auto mt) {
+    return warps == 8 ? launch(op, mt, std::integral_constant<int, 8>{})
+                      : launch(op, mt, std::integral_constant<int, 4>{});
+  };
+  auto with_rows = [&](auto* op) {  // one or two 8-row groups (m <= 16)
+    return m <= 8 ? with_warps(op, std::integral_constant<int, 1>{}) : with_warps(op, std::integral_constant<int, 2>{});
+  };
+  return bf16 ? with_rows((__nv_bfloat16*)out) : with_rows((half*)out);
 }
 
 template <int K2, int CB>
@@ -1511,17 +1558,7 @@ int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t s
   const int smem = xs_smem_bytes(1, slice, 1);
   if (smem > kMaxXsSmem) return -3;
   allow_smem(kernel, smem);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = pdl ? attr : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&config, kernel, a);
+  return launch_ex(kernel, dim3(blocks), kWarps, smem, pdl, stream, a);
 }
 
 template <int K2, int CB>
@@ -1655,11 +1692,18 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 // fp16 [num, m, K], partial fp32 [sum_s splits_s * N_s * m]. Three launches in all.
 // xs_slice > 0 (m <= 64): the GEMM stages x in shared memory, sized for K slices of up to xs_slice tiles (the
 // longest slice of any source); ring_mode (exl3_gemm_partial_ring's; any m; every source's N a multiple of 16 *
-// its warps): x through the ring instead. The partials are the same bit for bit.
+// its warps): x through the ring instead. The partials are the same bit for bit. counters (ring only; int32, one per
+// 64-row block and 128 output columns, at least counters_len; zero, and left zero): the ring launch rotates the
+// output itself, so two launches in all; nullptr: the separate output rotation.
 int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, void* xh_all, void* partial, void* out,
                       int y_bf16, int m, int k_tiles, int total_items, int total_cols, int k2, int codebook,
-                      int xs_slice, int ring_mode, void* stream) {
+                      int xs_slice, int ring_mode, void* counters, long long counters_len, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
+  const bool ring = ring_mode_ok(ring_mode);
+  // the ring's output rotation in its own launch needs a counter per 64-row block and 128 columns
+  if (counters != nullptr && (!ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
+                                                          (total_cols / 128)))
+    return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
@@ -1670,16 +1714,17 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   else rotate_in((const half*)x);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
+  int* c = (int*)counters;
   int code = [&]() -> int {
-    if (ring_mode_ok(ring_mode))
+    if (ring)
       EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_ring, (xh, srcs, num, p, m, k_tiles, total_items,
-                                                                   ring_mode, s))
+                                                                   ring_mode, c, out, y_bf16, total_cols, s))
     if (xs_slice > 0)
       EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_xs, (xh, srcs, num, p, m, k_tiles, total_items, xs_slice,
                                                                  s))
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
-  if (code != 0) return code;
+  if (code != 0 || c != nullptr) return code;
   auto rotate_out = [&](auto* o) {
     had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
   };
@@ -1693,10 +1738,11 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
 // splits must cut K into whole 128-blocks ((k_tiles / 8) % splits == 0) and its N be a multiple of 128: the caller's
 // table guarantees it (the kernel cannot check a device table). Scratch: partial fp32 [sum_s splits_s * N_s * m];
 // counters int32 [total_cols / 128], zero, and left zero. xs_slice: the longest K slice of any source, in tiles
-// (sizes the shared memory).
+// (sizes the shared memory). warps: 4 or 8 per block (each block rotates its slice of x, so 8 halve that work);
+// pdl: launched as a programmatic dependent of the kernel before it.
 int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void* partial, void* counters,
                        long long counters_len, void* out, int m, int k_tiles, int total_items, int total_cols, int k2,
-                       int codebook, int xs_slice, void* stream) {
+                       int codebook, int xs_slice, int warps, int pdl, void* stream) {
   if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
       total_cols <= 0 || total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128)
     return -3;
@@ -1705,7 +1751,7 @@ int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void
   auto p = (float*)partial;
   auto c = (int*)counters;
   EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, srcs, num, p, c, out, m, k_tiles, total_items,
-                                                             total_cols, xs_slice, s))
+                                                             total_cols, xs_slice, warps, pdl, s))
 }
 
 // A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
@@ -1884,7 +1930,7 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 16; }
+int exl3_abi_version(void) { return 17; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
