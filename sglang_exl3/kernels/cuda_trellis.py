@@ -61,8 +61,10 @@ XS_PARTIAL_BYTES = 64 << 20
 GLOBAL_LOADS_MAX_M = 32
 ONE_LAUNCH_MAX_ROWS = 16  # one_launch_linear: one or two 8-row groups (from 16 rows the x ring serves)
 # Warps per one-launch block from this many rows: every block rotates its K slice of x for every row, so 8-warp blocks
-# (a whole 128-column block each) halve that repeated work against 4-warp ones (half a column block).
-ONE_LAUNCH_WIDE_FROM_M = 2
+# (a whole 128-column block each) halve that repeated work against 4-warp ones (half a column block). Measured
+# (one-launch-ab, H100): 8 warps faster at every m >= 2 and at m = 1 on five of six shapes (1.7-5.5%; 1.4% slower
+# on 4096 x 6144), so every row count takes 8; the 4-warp form stays for the A/B.
+ONE_LAUNCH_WIDE_FROM_M = 1
 
 
 class KernelLibraryUnavailable(RuntimeError):
