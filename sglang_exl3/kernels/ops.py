@@ -82,15 +82,14 @@ def _(x, trellis, suh, svh, w_hat, codebook, backend):
 
 @torch.library.custom_op("exl3::gemm_group", mutates_args=())
 def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
-                    table: torch.Tensor, meta: list[int], codebook: int,
-                    ring_counters: torch.Tensor | None = None) -> torch.Tensor:
+                    table: torch.Tensor, meta: list[int], codebook: int) -> torch.Tensor:
     """Our CUDA kernels only: [m, sum N] = the concatenated outputs of every source for fp16 or bf16 x [m, K] (of
     x's dtype).
-    `tiles` are prepare()d; `table`, `meta` and `ring_counters` come from cuda_trellis.make_group (Exl3Group). The
-    counters are zero before and after every call, as the one-launch op's are."""
+    `tiles` are prepare()d; `table` and `meta` come from cuda_trellis.make_group (Exl3Group.meta). The output
+    rotation is its own launch (group_linear's default)."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, exl3_linear, group_linear
 
-    group = Exl3Group.from_meta(table, meta, codebook, ring_counters)
+    group = Exl3Group.from_meta(table, meta, codebook)
     if group.runs_fused(x.shape[0]):
         return group_linear(x, group)
     return torch.cat([exl3_linear(x, t, s, v, Codebook(codebook)) for t, s, v in zip(tiles, suh, svh, strict=True)],
@@ -98,7 +97,7 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
 
 
 @exl3_gemm_group.register_fake
-def _(x, tiles, suh, svh, table, meta, codebook, ring_counters=None):
+def _(x, tiles, suh, svh, table, meta, codebook):
     return x.new_empty((x.shape[0], sum(t.shape[0] for t in tiles) * 16))
 
 

@@ -156,10 +156,8 @@ def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool =
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
-    """Served groups keep the output rotation as its own launch: rotating in the ring launch (group.ring_counters)
-    measured 0.61-0.95x as fast at m = 16-128 (ring-ab-groups-h100-80gb-hbm3), so no counters are passed."""
     return torch.ops.exl3.gemm_group(x.contiguous(), [s.trellis for s in shards], [s.suh for s in shards],
-                                     [s.svh for s in shards], group.table, group.meta, group.codebook, None)
+                                     [s.svh for s in shards], group.table, group.meta, group.codebook)
 
 
 def run_shard(x16: torch.Tensor, s: Exl3Shard, backend: int, where: str) -> torch.Tensor:

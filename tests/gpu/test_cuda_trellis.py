@@ -319,8 +319,8 @@ def test_group_with_x_ring_is_bit_identical(cb, bits):
     assert want.dtype == torch.bfloat16
     assert torch.equal(run(xb, ring=82, counters=counters).view(torch.int16), want.view(torch.int16))
     assert group.ring_counters_for(128) is not None and group.ring_counters_for(129) is None
-    assert torch.equal(ck.group_linear(x[:100], group).view(torch.int16),
-                       ck.group_linear(x[:100], group, ring_rotates_out=False).view(torch.int16))
+    assert torch.equal(ck.group_linear(x[:100], group, ring_rotates_out=True).view(torch.int16),
+                       ck.group_linear(x[:100], group).view(torch.int16))
 
 
 @pytest.mark.parametrize("m", [1, 48])  # the x-slice GEMM; the ring rotating its own output (counters)
@@ -329,11 +329,11 @@ def test_group_captures_in_a_cuda_graph(m):
     group = ck.make_group([ck.prepare(t.cuda()) for t, _, _, _ in srcs], [s.cuda() for _, s, _, _ in srcs],
                           [v.cuda() for _, _, v, _ in srcs], Codebook.MUL1)
     static_x = torch.zeros(m, 256, device="cuda").half()
-    ck.group_linear(static_x, group)
+    ck.group_linear(static_x, group, ring_rotates_out=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = ck.group_linear(static_x, group)
+        static_y = ck.group_linear(static_x, group, ring_rotates_out=True)
     for seed in (3, 4):  # twice: the counters reset themselves
         fresh = torch.randn(m, 256, generator=torch.Generator().manual_seed(seed)).half()
         static_x.copy_(fresh.cuda())
