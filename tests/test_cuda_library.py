@@ -293,3 +293,23 @@ def test_a_failed_first_use_build_is_not_retried(monkeypatch, tmp_path):
         with pytest.raises(backends.BackendUnavailable, match="not built|nvcc failed"):
             backends._auto_load_our_kernels()
     assert len(calls) == 1 and backends._may_build() is False
+
+
+@pytest.mark.slow
+def test_rotation_form_switch_returns_the_previous_form(compiled):
+    """exl3_set_had_form pins the rotation launches' form (0 by size, 1 warp, 2 octet) and rejects others;
+    exl3_set_octet_min_items sets the size from which the octet form is taken."""
+    lib = compiled
+    assert lib.exl3_set_had_form(3) == -3 and lib.exl3_set_had_form(-1) == -3
+    assert lib.exl3_set_had_form(2) == 0
+    assert lib.exl3_set_had_form(1) == 2
+    assert lib.exl3_set_had_form(0) == 1
+    lib.exl3_set_octet_min_items.restype = ctypes.c_longlong
+    lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
+    before = lib.exl3_set_octet_min_items(-1)  # negative: a query
+    assert lib.exl3_set_octet_min_items(77) == before and lib.exl3_set_octet_min_items(before) == 77
+
+
+def test_pinned_rotation_form_names_the_forms():
+    with pytest.raises(ValueError, match="auto.*octet.*warp"), ck.pinned_had_form("fast"):
+        pass

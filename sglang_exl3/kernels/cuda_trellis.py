@@ -18,6 +18,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -29,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 17
+ABI_VERSION = 18
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -216,6 +218,9 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_gemm_partial_ring.argtypes = [p, p, p, i, i, i, i, i, i, i, p]
     lib.exl3_had_in.argtypes = [p, i, p, p, i, i, p]
     lib.exl3_had_out.argtypes = [p, i, p, p, i, i, i, i, p]
+    lib.exl3_set_had_form.argtypes = [i]
+    lib.exl3_set_octet_min_items.restype = ctypes.c_longlong
+    lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
     lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
@@ -229,6 +234,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_quantize_tiles_fast.argtypes = [p, p, p, i, i, i, i, ctypes.POINTER(i), p]
     lib.exl3_quantize_tiles_fast_scratch.restype = ctypes.c_longlong
     lib.exl3_quantize_tiles_fast_scratch.argtypes = [i]
+    lib.exl3_set_octet_min_items(OCTET_MIN_ITEMS)
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -340,6 +346,28 @@ def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = Non
                                        out.data_ptr(), int(out.dtype == torch.bfloat16), splits, m, n, _stream(acc)),
            "had_out")
     return out
+
+
+HAD_FORMS = {"auto": 0, "warp": 1, "octet": 2}
+# A rotation launch over at least this many 128-blocks takes the octet form (set in the library when it is loaded).
+# Off until the two forms are measured on the GPU (benchmarks/rotation_ab.py); pinned_had_form reaches it meanwhile.
+OCTET_MIN_ITEMS = 1 << 62
+
+
+@contextmanager
+def pinned_had_form(form: str) -> Iterator[None]:
+    """Every rotation launched inside (had_in, had_out and a group's rotations) takes `form`: 'warp' (one warp per
+    128-block, shuffle butterflies), 'octet' (eight threads per 128-block, registers and one shared-memory
+    transpose) or 'auto' (octet from a size; the default). Both forms give the same bits; this is for A/B
+    measurements and tests. A CUDA graph keeps the form it was captured with."""
+    if form not in HAD_FORMS:
+        raise ValueError(f"rotation form must be one of {sorted(HAD_FORMS)}, got {form!r}")
+    lib = load_library()
+    before = lib.exl3_set_had_form(HAD_FORMS[form])
+    try:
+        yield
+    finally:
+        lib.exl3_set_had_form(before)
 
 
 @cache

@@ -4,6 +4,8 @@
 # kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only); unpacks bundle part a1 when carried
 # oneab     carry .kbuild                 benchmarks/one_launch_ab.py, torch only ($ONEAB_ARGS); then
 #                                         benchmarks/ring_ab.py when $RING_ARGS is set
+# rotab     carry .kbuild                 benchmarks/rotation_ab.py, torch only ($ROTAB_ARGS): the rotation launches' two
+#                                         forms, alone and inside the whole linear, beside bf16
 # site1     carry .devbundle/a1           unpack bundle part a1 (the tree + a1 + .kbuild exceed one call's 64 MiB)
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
@@ -103,6 +105,11 @@ run_step() {
         tee "$work/ring.txt" | grep -v "^{" | tail -6
     fi
     cp benchmarks/results/one-launch-ab* benchmarks/results/ring-ab* "$work/" 2>/dev/null
+    ;;
+  rotab)  # benchmarks/rotation_ab.py: one warp against eight threads per 128-block, alone and in the linear
+    PYTHONPATH=$PWD timeout "${ROTAB_TIMEOUT:-300}" python3 benchmarks/rotation_ab.py ${ROTAB_ARGS:-} 2>&1 |
+      tee "$work/rotab.txt" | grep -v "^{" | tail -6
+    cp benchmarks/results/rotation-ab* "$work/" 2>/dev/null
     ;;
   site1) tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site && echo "site1 unpacked" ;;
   site2) tar -xJf .devbundle/a2/site2.tar.xz -C /tmp/site && touch /tmp/site/.part_a && echo "site2 unpacked" ;;

@@ -83,6 +83,55 @@ def test_hadamards_bit_exact():
     assert torch.equal(ck.had_out(parts.cuda(), svh2.cuda()).cpu().view(torch.int16), ref.view(torch.int16))
 
 
+@pytest.mark.parametrize("form", ["warp", "octet"])
+def test_rotation_forms_bit_exact(form):
+    """Both forms of every rotation launch give the codec's bits: fp16 and bf16 x; fp32 partials over 1-9 splits
+    (the octet form loads two at a time); one fp16 split, also in place; bf16 output. 37 x 5 blocks: the last
+    256-thread block of the octet form is part empty."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 640, generator=gen).half()
+    suh = torch.randn(640, generator=gen).half()
+    svh = torch.randn(640, generator=gen).half()
+    with ck.pinned_had_form(form):
+        ref = had_r_128(x, pre_scale=suh).view(torch.int16)
+        assert torch.equal(ck.had_in(x.cuda(), suh.cuda()).cpu().view(torch.int16), ref)
+        xb = x.bfloat16()
+        ref = had_r_128(xb.half(), pre_scale=suh).view(torch.int16)
+        assert torch.equal(ck.had_in(xb.cuda(), suh.cuda()).cpu().view(torch.int16), ref)
+        for splits in (1, 3, 4, 5, 9):
+            parts = torch.randn(splits, 37, 640, generator=gen) * 30
+            summed = parts[0].clone()
+            for s in range(1, splits):
+                summed = summed + parts[s]  # the kernels sum splits in order
+            ref = had_r_128(summed, post_scale=svh, out_dtype=torch.float16)
+            got = ck.had_out(parts.cuda(), svh.cuda())
+            assert torch.equal(got.cpu().view(torch.int16), ref.view(torch.int16)), f"splits={splits}"
+            got_bf16 = ck.had_out(parts.cuda(), svh.cuda(), dtype=torch.bfloat16).cpu()
+            assert torch.equal(got_bf16.view(torch.int16), ref.bfloat16().view(torch.int16)), f"splits={splits}"
+        acc = (torch.randn(1, 37, 640, generator=gen) * 30).half()
+        ref = had_r_128(acc[0].float(), post_scale=svh, out_dtype=torch.float16).view(torch.int16)
+        on_gpu = acc.cuda()
+        assert torch.equal(ck.had_out(on_gpu, svh.cuda()).cpu().view(torch.int16), ref)
+        ck.had_out(on_gpu, svh.cuda(), out=on_gpu[0])
+        assert torch.equal(on_gpu[0].cpu().view(torch.int16), ref)
+
+
+@pytest.mark.parametrize("m", [1, 20, 64])
+def test_group_rotation_forms_are_bit_identical(m):
+    """A q/k/v-like group run with each rotation form pinned: the same bits, fp16 and bf16."""
+    k, widths, cb = 512, (384, 128, 256), Codebook.MCG
+    srcs = [_case(k, n, 4, m, seed=80 + i) for i, n in enumerate(widths)]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    group = ck.make_group(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs], cb)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().cuda()
+    for dtype in (torch.float16, torch.bfloat16):
+        with ck.pinned_had_form("warp"):
+            want = ck.group_linear(x.to(dtype), group)
+        with ck.pinned_had_form("octet"):
+            got = ck.group_linear(x.to(dtype), group)
+        assert torch.isfinite(got).all() and torch.equal(got.view(torch.int16), want.view(torch.int16)), dtype
+
+
 def _case(k: int, n: int, bits: float, m: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     trellis = _trellis(k // 16, n // 16, bits, seed)

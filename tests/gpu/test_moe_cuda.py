@@ -100,6 +100,25 @@ def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
         assert float((y.cpu() - ref).norm() / ref.norm()) < 5e-3, name
 
 
+@pytest.mark.parametrize("m", [3, 40])
+def test_rotation_forms_give_the_same_routed_output(m):
+    """The routed forward (per-source rotations over routing tables whose unrouted experts are empty sources) with
+    each rotation form pinned: the same bits."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+    from sglang_exl3.layers.moe_kernels import routed_forward
+
+    layer, _ = _layer((4,) * EXPERTS, False)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, HIDDEN, generator=gen).half().cuda()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(m)]).to(torch.int32).cuda()
+    w = torch.rand(m, TOPK, generator=gen).cuda()
+    with ck.pinned_had_form("warp"):
+        want = routed_forward(layer.exl3_tiers, x, w, ids, False)
+    with ck.pinned_had_form("octet"):
+        got = routed_forward(layer.exl3_tiers, x, w, ids, False)
+    assert not torch.isnan(got).any() and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("m", [3, 300])
 @pytest.mark.parametrize("bits, shared_h", [((4,) * EXPERTS, False), ((3, 4, 3, 5, 4, 3), False),
                                             ((3,) * EXPERTS, True)], ids=["uniform", "mixed", "shared-h-3bit"])

@@ -1019,6 +1019,256 @@ __global__ void had_out_group_kernel(const float* __restrict__ partial, const Gr
                 threadIdx.x & 31);
 }
 
+// ---- the rotations at eight threads per 128-block ("octet" form) ---------------------------------------------
+// The one-warp form above runs five shuffle stages over 4 values per lane and is ALU-bound at large m (85.6 us for
+// had_out at 2048 x 14336, 29 M outputs). Here eight threads of a warp rotate one 128-block: thread t holds the
+// 16 consecutive values 16t..16t+15, so strides 1-8 run in registers; strides 16-64 run after one shared-memory
+// transpose (thread t then holds columns 2t, 2t+1 of all eight 16-value chunks); a second transpose brings the
+// values home for 16-byte stores. Every fp32 operation of butterfly128 runs in the same stage order (lower + upper,
+// lower - upper), so the two forms give the same bits.
+constexpr int kOctetChunk = 20;                  // floats per 16-value chunk in shared memory: conflict-free float4
+constexpr int kOctetStride = 8 * kOctetChunk + 16;  // floats per 128-block: 176 (two blocks in a half-warp differ by 16 banks)
+constexpr int kOctetItems = 32;                  // 128-blocks per 256-thread block
+
+// In-register butterfly stages over v[0..n) for strides first .. n/2 (element i's partner is i + s)
+template <int N>
+__device__ __forceinline__ void butterfly_regs(float (&v)[N]) {
+#pragma unroll
+  for (int s = 1; s < N; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (!(i & s)) {
+        const float lo = v[i], hi = v[i + s];
+        v[i] = lo + hi;
+        v[i + s] = lo - hi;
+      }
+}
+
+// Hadamard-128 (unscaled) of the block held by the octet: v = this thread's 16 consecutive values; sm = the block's
+// kOctetStride floats; t = thread within the octet. Every lane of the warp must call it (it syncs the warp).
+__device__ __forceinline__ void octet_butterfly(float (&v)[16], float* __restrict__ sm, int t) {
+  butterfly_regs(v);  // strides 1, 2, 4, 8
+  float4* own = reinterpret_cast<float4*>(sm + t * kOctetChunk);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) own[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+  __syncwarp();
+  float a[8], b[8];  // columns 2t and 2t + 1 of chunks 0..7
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    const float2 p = *reinterpret_cast<const float2*>(sm + g * kOctetChunk + 2 * t);
+    a[g] = p.x;
+    b[g] = p.y;
+  }
+  butterfly_regs(a);  // strides 16, 32, 64
+  butterfly_regs(b);
+  __syncwarp();
+#pragma unroll
+  for (int g = 0; g < 8; ++g) *reinterpret_cast<float2*>(sm + g * kOctetChunk + 2 * t) = make_float2(a[g], b[g]);
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 p = own[q];
+    v[4 * q] = p.x; v[4 * q + 1] = p.y; v[4 * q + 2] = p.z; v[4 * q + 3] = p.w;
+  }
+}
+
+// 16 consecutive fp16 values (bf16 rounded to fp16 as read, as load4_fp16 does), as floats
+__device__ __forceinline__ void load16_fp16(const half* __restrict__ x, half (&h)[16]) {
+  const uint4* p = reinterpret_cast<const uint4*>(x);
+  *reinterpret_cast<uint4*>(&h[0]) = p[0];
+  *reinterpret_cast<uint4*>(&h[8]) = p[1];
+}
+__device__ __forceinline__ void load16_fp16(const __nv_bfloat16* __restrict__ x, half (&h)[16]) {
+  const uint4* p = reinterpret_cast<const uint4*>(x);
+  uint4 raw[2] = {p[0], p[1]};
+  const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) h[i] = __float2half_rn(__bfloat162float(b[i]));
+}
+
+// 16 consecutive partial values of one split, as floats (fp32 partials of this launch's GEMM: read past L1)
+__device__ __forceinline__ void load16_acc(const float* __restrict__ p, float (&t)[16]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 w = __ldcg(reinterpret_cast<const float4*>(p) + q);
+    t[4 * q] = w.x; t[4 * q + 1] = w.y; t[4 * q + 2] = w.z; t[4 * q + 3] = w.w;
+  }
+}
+__device__ __forceinline__ void load16_acc(const half* __restrict__ p, float (&t)[16]) {
+  half h[16];
+  load16_fp16(p, h);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) t[i] = __half2float(h[i]);
+}
+
+__device__ __forceinline__ void store16(half* __restrict__ out, const half (&h)[16]) {
+  uint4* p = reinterpret_cast<uint4*>(out);
+  p[0] = *reinterpret_cast<const uint4*>(&h[0]);
+  p[1] = *reinterpret_cast<const uint4*>(&h[8]);
+}
+__device__ __forceinline__ void store16(__nv_bfloat16* __restrict__ out, const half (&h)[16]) {
+  uint4 raw[2];
+  __nv_bfloat16* b = reinterpret_cast<__nv_bfloat16*>(raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) b[i] = __float2bfloat16_rn(__half2float(h[i]));
+  uint4* p = reinterpret_cast<uint4*>(out);
+  p[0] = raw[0];
+  p[1] = raw[1];
+}
+
+// had_in of one block by an octet (valid: this octet has a block; others still join the warp's syncs)
+template <typename T>
+__device__ __forceinline__ void had_in_octet(const T* __restrict__ x, const half* __restrict__ suh,
+                                             half* __restrict__ out, bool valid, float* __restrict__ sm, int t) {
+  float v[16];
+  if (valid) {
+    half h[16], s[16];
+    load16_fp16(x + 16 * t, h);
+    load16_fp16(suh + 16 * t, s);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = __half2float(__float2half_rn(__half2float(h[i]) * __half2float(s[i])));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = 0.f;
+  }
+  octet_butterfly(v, sm, t);
+  if (!valid) return;
+  half o[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i] = __float2half_rn(v[i] * kRScale);
+  store16(out + 16 * t, o);
+}
+
+// had_out of one block by an octet: the splits summed in order, rotated, scaled, * svh. fp32 partials are loaded
+// two splits at a time; fp16 (one split: reconstruct + cuBLAS) one at a time, which keeps the kernel near 48
+// registers, so enough threads are resident to keep the loads of a bandwidth-bound launch in flight
+template <typename T, typename O>
+__device__ __forceinline__ void had_out_octet(const T* __restrict__ acc, size_t split_stride, int splits,
+                                              const half* __restrict__ svh, O* __restrict__ out, bool valid,
+                                              float* __restrict__ sm, int t) {
+  constexpr int kBatch = std::is_same<T, float>::value ? 2 : 1;
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = 0.f;
+  if (valid) {
+    const T* p = acc + 16 * t;
+    for (int s = 0; s < splits; s += kBatch) {
+      float w[kBatch][16];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (s + j < splits) load16_acc(p + (s + j) * split_stride, w[j]);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (s + j < splits)
+#pragma unroll
+          for (int i = 0; i < 16; ++i) v[i] += w[j][i];  // split order, as had_out_values
+    }
+  }
+  octet_butterfly(v, sm, t);
+  if (!valid) return;
+  half sv[16], o[16];
+  load16_fp16(svh + 16 * t, sv);
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    o[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sv[i]));
+  store16(out + 16 * t, o);
+}
+
+// The octet's block index and thread within it, and its slice of the block's shared memory
+struct Octet {
+  long long item;
+  int t;
+  float* sm;
+};
+__device__ __forceinline__ Octet octet_here(float* sm_all) {
+  const int o = threadIdx.x >> 3;
+  return {(long long)blockIdx.x * kOctetItems + o, (int)(threadIdx.x & 7), sm_all + o * kOctetStride};
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) had_in_octet_kernel(const T* __restrict__ x, const half* __restrict__ suh,
+                                                           half* __restrict__ out, int rows, int cols) {
+  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
+  const Octet o = octet_here(sm);
+  const int blocks = cols / 128;
+  const bool valid = o.item < (long long)rows * blocks;
+  const long long r = valid ? o.item / blocks : 0;
+  const int c0 = valid ? (int)(o.item - r * blocks) * 128 : 0;
+  const size_t at = (size_t)r * cols + c0;
+  had_in_octet(x + at, suh + c0, out + at, valid, o.sm, o.t);
+}
+
+template <typename T, typename O>
+__global__ void __launch_bounds__(256) had_out_octet_kernel(const T* __restrict__ acc, const half* __restrict__ svh,
+                                                            O* __restrict__ out, int splits, int rows, int cols) {
+  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
+  const Octet o = octet_here(sm);
+  const int blocks = cols / 128;
+  const bool valid = o.item < (long long)rows * blocks;
+  const long long r = valid ? o.item / blocks : 0;
+  const int c0 = valid ? (int)(o.item - r * blocks) * 128 : 0;
+  const size_t at = (size_t)r * cols + c0;
+  had_out_octet(acc + at, (size_t)rows * cols, splits, svh + c0, out + at, valid, o.sm, o.t);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) had_in_group_octet_kernel(const T* __restrict__ x,
+                                                                 const GroupSource* __restrict__ srcs, int num,
+                                                                 half* __restrict__ xh_all, int rows, int cols) {
+  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
+  const Octet o = octet_here(sm);
+  const int blocks = cols / 128;
+  const long long per_source = (long long)rows * blocks;
+  bool valid = o.item < num * per_source;
+  const int s = valid ? (int)(o.item / per_source) : 0;
+  const long long within = valid ? o.item - s * per_source : 0;
+  const int r = (int)(within / blocks), c0 = (int)(within % blocks) * 128;
+  valid = valid && srcs[s].n_tiles != 0;  // an empty source
+  const T* xp = x + (size_t)(valid ? srcs[s].x_row + r : 0) * cols + c0;
+  had_in_octet(xp, valid ? srcs[s].suh + c0 : nullptr, xh_all + ((size_t)s * rows + r) * cols + c0, valid, o.sm,
+               o.t);
+}
+
+template <typename O>
+__global__ void __launch_bounds__(256) had_out_group_octet_kernel(const float* __restrict__ partial,
+                                                                  const GroupSource* __restrict__ srcs, int num,
+                                                                  O* __restrict__ out, int rows, int total_cols) {
+  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
+  const Octet o = octet_here(sm);
+  const int blocks = total_cols / 128;
+  bool valid = o.item < (long long)rows * blocks;
+  const int r = valid ? (int)(o.item / blocks) : 0, col = valid ? (int)(o.item % blocks) * 128 : 0;
+  const int s = group_source_at<true>(srcs, num, col);
+  const GroupSource& src = srcs[s];
+  const int n = src.n_tiles * 16, c0 = col - (int)src.col_begin;
+  valid = valid && c0 < n;  // an empty source's columns are never read
+  const float* acc = partial + src.partial_base * rows + (size_t)r * n + c0;
+  had_out_octet(acc, (size_t)rows * n, src.splits, src.svh + (valid ? c0 : 0),
+                out + (size_t)r * total_cols + col, valid, o.sm, o.t);
+}
+
+// Which form a rotation launch takes: kHadFormAuto picks the octet form from g_octet_min_items 128-blocks (the
+// Python side sets the measured crossover when it loads the library); exl3_set_had_form pins one form for the
+// whole process (A/B measurements)
+constexpr int kHadFormAuto = 0, kHadFormWarp = 1, kHadFormOctet = 2;
+int g_had_form = kHadFormAuto;
+long long g_octet_min_items = 4096;
+bool use_octet(long long items) {
+  return g_had_form == kHadFormOctet || (g_had_form == kHadFormAuto && items >= g_octet_min_items);
+}
+unsigned octet_grid(long long items) { return (unsigned)((items + kOctetItems - 1) / kOctetItems); }
+
+// xh_all[s, r, :] = had_in(x[x_row_s + r, :], suh_s) for every source s, in the form the size picks
+template <typename T>
+void launch_had_in_group(const T* x, const GroupSource* srcs, int num, half* xh_all, int rows, int cols,
+                         cudaStream_t s) {
+  const long long items = (long long)num * rows * (cols / 128);
+  if (use_octet(items))
+    had_in_group_octet_kernel<<<octet_grid(items), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
+  else
+    had_in_group_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
+}
+
 // ---- fused MoE stages: the glue between the grouped GEMMs folded into their rotations ------------------
 // Sources of a MoE forward: S gate sources, then S up sources in one table (gu), S down sources in another (dn),
 // each source `rows` rows (per-pair: rows = 1, source p = pair p; sorted: a tile of rows). Source s's rows of the
@@ -1658,11 +1908,13 @@ int exl3_gemm_partial_ring(const void* xh, const void* trellis, void* partial, i
 // x fp16, or bf16 (x_bf16: rounded to fp16 as it is read, exactly what casting it beforehand does)
 int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows, int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128) return -3;
-  const int items = rows * (cols / 128);
-  const dim3 grid((items + 7) / 8), block(256);
+  const long long items = (long long)rows * (cols / 128);
   auto s = (cudaStream_t)stream;
   auto launch = [&](auto* xp) {
-    had_in_kernel<<<grid, block, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
+    if (use_octet(items))
+      had_in_octet_kernel<<<octet_grid(items), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
+    else
+      had_in_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
   };
   if (x_bf16) launch((const __nv_bfloat16*)x);
   else launch((const half*)x);
@@ -1673,14 +1925,17 @@ int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows,
 int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, int out_bf16, int splits, int rows,
                  int cols, void* stream) {
   if (rows <= 0 || cols <= 0 || cols % 128 || splits <= 0) return -3;
-  const int items = rows * (cols / 128);
-  const dim3 grid((items + 7) / 8), block(256);
+  const long long items = (long long)rows * (cols / 128);
   auto s = (cudaStream_t)stream;
   auto launch = [&](auto* o) {
-    if (acc_is_fp32)
-      had_out_kernel<<<grid, block, 0, s>>>((const float*)acc, (const half*)svh, o, splits, rows, cols);
-    else
-      had_out_kernel<<<grid, block, 0, s>>>((const half*)acc, (const half*)svh, o, splits, rows, cols);
+    auto run = [&](auto* a) {
+      if (use_octet(items))
+        had_out_octet_kernel<<<octet_grid(items), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
+      else
+        had_out_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
+    };
+    if (acc_is_fp32) run((const float*)acc);
+    else run((const half*)acc);
   };
   if (out_bf16) launch((__nv_bfloat16*)out);
   else launch((half*)out);
@@ -1706,12 +1961,9 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
     return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
-  const int cols = k_tiles * 16, in_items = num * m * (cols / 128), out_items = m * (total_cols / 128);
-  auto rotate_in = [&](auto* xp) {
-    had_in_group_kernel<<<(in_items + 7) / 8, 256, 0, s>>>(xp, srcs, num, (half*)xh_all, m, cols);
-  };
-  if (x_bf16) rotate_in((const __nv_bfloat16*)x);
-  else rotate_in((const half*)x);
+  const int cols = k_tiles * 16, out_items = m * (total_cols / 128);
+  if (x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
+  else launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int* c = (int*)counters;
@@ -1726,7 +1978,10 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   }();
   if (code != 0 || c != nullptr) return code;
   auto rotate_out = [&](auto* o) {
-    had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
+    if (use_octet(out_items))
+      had_out_group_octet_kernel<<<octet_grid(out_items), 256, 0, s>>>(p, srcs, num, o, m, total_cols);
+    else
+      had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
   };
   if (y_bf16) rotate_out((__nv_bfloat16*)out);
   else rotate_out((half*)out);
@@ -1769,13 +2024,8 @@ int exl3_moe_fused(const void* x, int x_bf16, const void* gu_table, const void* 
   auto s = (cudaStream_t)stream;
   auto gu = (const GroupSource*)gu_table;
   auto dn = (const GroupSource*)dn_table;
-  const int in_items = 2 * sources * rows * (hidden / 128);
-  if (x_bf16)
-    had_in_group_kernel<__nv_bfloat16><<<(in_items + 7) / 8, 256, 0, s>>>((const __nv_bfloat16*)x, gu, 2 * sources,
-                                                                          (half*)xh_gu, rows, hidden);
-  else
-    had_in_group_kernel<half><<<(in_items + 7) / 8, 256, 0, s>>>((const half*)x, gu, 2 * sources, (half*)xh_gu,
-                                                                 rows, hidden);
+  if (x_bf16) launch_had_in_group((const __nv_bfloat16*)x, gu, 2 * sources, (half*)xh_gu, rows, hidden, s);
+  else launch_had_in_group((const half*)x, gu, 2 * sources, (half*)xh_gu, rows, hidden, s);
   const half* xg = (const half*)xh_gu;
   float* pg = (float*)partial_gu;
   int code = [&]() -> int {
@@ -1930,7 +2180,23 @@ int exl3_group_probe(const void* table, int num, long long item, long long col, 
   return 0;
 }
 
-int exl3_abi_version(void) { return 17; }
+// Pins the form of every later rotation launch (0: by size, 1: one warp per 128-block, 2: eight threads per
+// 128-block), for A/B measurements; the two forms give the same bits. Returns the previous form, or -3.
+int exl3_set_had_form(int form) {
+  if (form < kHadFormAuto || form > kHadFormOctet) return -3;
+  const int before = g_had_form;
+  g_had_form = form;
+  return before;
+}
+
+// The size (in 128-blocks of one launch) from which kHadFormAuto takes the octet form; returns the previous one
+long long exl3_set_octet_min_items(long long items) {
+  const long long before = g_octet_min_items;
+  if (items >= 0) g_octet_min_items = items;
+  return before;
+}
+
+int exl3_abi_version(void) { return 18; }
 
 const char* exl3_error_string(int code) {
   switch (code) {

@@ -1,0 +1,107 @@
+"""The two forms of the Hadamard-128 rotation launches side by side: one warp per 128-block (shuffle butterflies)
+against eight threads per 128-block (registers and a shared-memory transpose), which give the same bits.
+
+Rows of kind `had_in` (bf16 x, as a bf16 model's linears get it), `had_out_fp16` (one fp16 split: the output of
+reconstruct + cuBLAS at large m) and `had_out_fp32x4` (four fp32 split-K partials: the decode GEMM's) time one
+launch; rows of kind `linear` time the whole EXL3 linear as dispatched (`exl3_linear`, 4 bits MCG, weight copies
+larger than L2) beside bf16 cuBLAS on the same shape. Every octet result is checked bit for bit against the warp
+form. CUDA-graph replay throughout.
+
+  python benchmarks/rotation_ab.py [--cols 4096,14336] [--rows 1,8,64,256,2048,8192] [--linear-ms 16,64,256,2048]
+
+Writes benchmarks/results/rotation-ab-<gpu>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import graph_us, header, write_results  # noqa: E402
+from benchmarks.xs_ab import _weights  # noqa: E402
+from sglang_exl3.format import Codebook  # noqa: E402
+from sglang_exl3.kernels import cuda_trellis as ck  # noqa: E402
+
+FORMS = ("warp", "octet")
+COLUMNS = ["kind", "k", "n", "m", "warp_us", "octet_us", "octet_speedup", "bf16_us", "warp_vs_bf16",
+           "octet_vs_bf16"]
+
+
+def _by_form(fn, rotations: int = 1) -> dict[str, float]:
+    """Each form's time for fn(i) (i cycling over `rotations` inputs), after checking that the two forms give the
+    same bits."""
+    outs = {}
+    for form in FORMS:
+        with ck.pinned_had_form(form):
+            outs[form] = fn(0).clone()
+    if not torch.equal(outs["warp"].view(torch.int16), outs["octet"].view(torch.int16)):
+        raise AssertionError("the two rotation forms differ")
+    times = {}
+    for form in FORMS:
+        with ck.pinned_had_form(form):
+            times[form] = graph_us(fn, rotations)
+    return times
+
+
+def _row(kind: str, k: int, n: int, m: int, times: dict[str, float], bf16_us: float | None = None) -> dict:
+    row = {"kind": kind, "k": k, "n": n, "m": m, "warp_us": times["warp"], "octet_us": times["octet"],
+           "octet_speedup": round(times["warp"] / times["octet"], 3)}
+    if bf16_us is not None:
+        row |= {"bf16_us": bf16_us, "warp_vs_bf16": round(times["warp"] / bf16_us, 3),
+                "octet_vs_bf16": round(times["octet"] / bf16_us, 3)}
+    print(row, flush=True)
+    return row
+
+
+def rotation_rows(cols: list[int], rows: list[int]) -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for n in cols:
+        scale = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+        for m in rows:
+            x = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
+            out.append(_row("had_in", n, n, m, _by_form(lambda i, x=x, s=scale: ck.had_in(x, s))))
+            acc16 = (torch.randn(1, m, n, generator=gen) * 30).half().cuda()
+            out.append(_row("had_out_fp16", n, n, m, _by_form(lambda i, a=acc16, s=scale: ck.had_out(a, s))))
+            acc32 = (torch.randn(4, m, n, generator=gen) * 30).cuda()
+            out.append(_row("had_out_fp32x4", n, n, m, _by_form(lambda i, a=acc32, s=scale: ck.had_out(a, s))))
+    return out
+
+
+def linear_rows(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
+    out = []
+    for k, n in shapes:
+        copies, tiles, suh, svh, gen = _weights(k, n, 4)
+        dense = ck.reconstruct(tiles[0], Codebook.MCG).to(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            def linear(i: int, x=x, tiles=tiles, suh=suh, svh=svh) -> torch.Tensor:
+                return ck.exl3_linear(x, tiles[i % len(tiles)], suh, svh, Codebook.MCG)
+
+            times = _by_form(linear, copies)
+            bf16_us = graph_us(lambda i, x=x, w=dense: x @ w)
+            out.append(_row("linear", k, n, m, times, bf16_us))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cols", default="4096,14336")
+    ap.add_argument("--rows", default="1,8,64,256,2048,8192")
+    ap.add_argument("--shapes", default="4096x14336,14336x4096")
+    ap.add_argument("--linear-ms", default="16,64,256,2048")
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    rows = rotation_rows(ints(args.cols), ints(args.rows))
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    rows += linear_rows(shapes, ints(args.linear_ms))
+    path = write_results("rotation-ab", header(sys.argv), rows, COLUMNS)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
