@@ -4,10 +4,12 @@ against eight threads per 128-block (registers and a shared-memory transpose), w
 Rows of kind `had_in` (bf16 x, as a bf16 model's linears get it), `had_out_fp16` (one fp16 split: the output of
 reconstruct + cuBLAS at large m) and `had_out_fp32x4` (four fp32 split-K partials: the decode GEMM's) time one
 launch; rows of kind `linear` time the whole EXL3 linear as dispatched (`exl3_linear`, 4 bits MCG, weight copies
-larger than L2) beside bf16 cuBLAS on the same shape. Every octet result is checked bit for bit against the warp
+larger than L2) beside bf16 cuBLAS on the same shape, and rows of kind `group` a gate/up-like group of two
+4096 x 14336 sources at decode sizes (`group_linear`). Every octet result is checked bit for bit against the warp
 form. CUDA-graph replay throughout.
 
-  python benchmarks/rotation_ab.py [--cols 4096,14336] [--rows 1,8,64,256,2048,8192] [--linear-ms 16,64,256,2048]
+  python benchmarks/rotation_ab.py [--cols 4096,14336] [--rows 1,8,64,256,2048,8192]
+      [--shapes 4096x14336,14336x4096] [--linear-ms 16,64,256,2048] [--group-ms 16,64,128]
 
 Writes benchmarks/results/rotation-ab-<gpu>.{json,md}.
 """
@@ -88,17 +90,32 @@ def linear_rows(shapes: list[tuple[int, int]], ms: list[int]) -> list[dict]:
     return out
 
 
+def group_rows(k: int, n: int, ms: list[int]) -> list[dict]:
+    """A gate/up-like group (two k x n sources) as served at decode sizes: input rotation, GEMM, output rotation."""
+    copies, tiles, suh, svh, gen = _weights(k, n, 4)
+    groups = [ck.make_group([tiles[i], tiles[(i + 1) % copies]], [suh, suh], [svh, svh], Codebook.MCG)
+              for i in range(copies)]
+    out = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        times = _by_form(lambda i, x=x: ck.group_linear(x, groups[i % len(groups)]), copies)
+        out.append(_row("group", k, 2 * n, m, times))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cols", default="4096,14336")
     ap.add_argument("--rows", default="1,8,64,256,2048,8192")
     ap.add_argument("--shapes", default="4096x14336,14336x4096")
     ap.add_argument("--linear-ms", default="16,64,256,2048")
+    ap.add_argument("--group-ms", default="16,64,128")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     rows = rotation_rows(ints(args.cols), ints(args.rows))
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     rows += linear_rows(shapes, ints(args.linear_ms))
+    rows += group_rows(4096, 14336, ints(args.group_ms))
     path = write_results("rotation-ab", header(sys.argv), rows, COLUMNS)
     print(f"wrote {path}")
 

@@ -175,7 +175,7 @@ run_step() {
     stop_servers
     timeout "${EMBED_TIMEOUT:-560}" python3 benchmarks/embedding.py --workdir /tmp/embed ${EMBED_ARGS:-} 2>&1 |
       tee "$work/embedding.txt" | grep -v "^ROW" | tail -20
-    cp benchmarks/results/embedding-h200.* /tmp/embed/*.log "$work/" 2>/dev/null
+    cp benchmarks/results/embedding-h[0-9]*.* /tmp/embed/*.log "$work/" 2>/dev/null
     ;;
   spec-nextn)  # the NextN layer stored in the checkpoint, served as SGLang's NEXTN draft (same stand-ins as spec)
     site_env
@@ -245,7 +245,7 @@ w('/tmp/q35/writer', 'qwen3_5', mtp_bits=4); w('/tmp/q35/writer-moe', 'qwen3_5_m
     SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_BENCH_TIMEOUT:-560}" \
       python3 benchmarks/spec_decode.py /tmp/specmodels ${SPEC_BENCH_ARGS:-} 2>&1 | tee "$work/bench.txt" |
       grep -v "^ROW" | tail -40
-    cp benchmarks/results/spec-decode-h200.* /tmp/specbench/*.log /tmp/specbench/*.jsonl "$work/" 2>/dev/null
+    cp benchmarks/results/spec-decode-h[0-9]*.* /tmp/specbench/*.log /tmp/specbench/*.jsonl "$work/" 2>/dev/null
     ;;
   spec)  # tests/gpu/spec_lossless.py: NGRAM, EAGLE (random BF16 draft), STANDALONE on the exllamav3-made tiny Llama
     site_env
@@ -280,15 +280,15 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     stop_servers
     timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --bits "${E2E_BITS:-4}" --backend cuda --workdir /tmp/e2e \
       ${E2E_ARGS:-} 2>&1 | tee "$work/e2e.txt" | tail -20
-    cp benchmarks/results/e2e-h200.* /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
-    if [[ "${E2E_ARGS:-}" == *--profile-steps* ]]; then cp benchmarks/results/e2e-profile-h200.* "$work/"; fi
+    cp benchmarks/results/e2e-h[0-9]*.* /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
+    if [[ "${E2E_ARGS:-}" == *--profile-steps* ]]; then cp benchmarks/results/e2e-profile-h[0-9]*.* "$work/"; fi
     ;;
   load)
     site_env
     stop_servers
     timeout "${LOAD_TIMEOUT:-540}" python3 benchmarks/load.py --workdir /tmp/load ${LOAD_ARGS:-} 2>&1 |
       tee "$work/load.txt" | grep -v "^ROW" | tail -20
-    cp benchmarks/results/load-h200.* /tmp/load/*.log "$work/" 2>/dev/null
+    cp benchmarks/results/load-h[0-9]*.* /tmp/load/*.log "$work/" 2>/dev/null
     ;;
   encode)  # benchmarks/encode.py: encoder tiles/s, a Llama-3-8B layer, and online vs exllamav3's calibrated 4 bpw on
     # the spec-train target (needs spec-train and spec-convert on the same machine; $ENCODE_ARGS)
@@ -296,7 +296,7 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     timeout "${ENCODE_TIMEOUT:-540}" python3 benchmarks/encode.py --bf16 /tmp/specmodels/target \
       --offline /tmp/specmodels/target-exl3 --texts /tmp/spectexts ${ENCODE_ARGS:-} 2>&1 | tee "$work/encode.txt" |
       tail -20
-    cp benchmarks/results/encode-h200.* "$work/" 2>/dev/null
+    cp benchmarks/results/encode-h[0-9]*.* "$work/" 2>/dev/null
     ;;
   cartridges)  # benchmarks/cartridges.py: expert cartridges swapped under load with faults ($CART_ARGS, e.g. --modes)
     site_env
@@ -305,7 +305,7 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
       2>&1 | tee "$work/pytest-cartridge.txt" | tail -8
     timeout "${CART_TIMEOUT:-440}" python3 benchmarks/cartridges.py --workdir /tmp/cartridges ${CART_ARGS:-} 2>&1 |
       tee "$work/cartridges.txt" | grep -v "^ROW" | tail -25
-    cp benchmarks/results/cartridges-h200.* /tmp/cartridges/*.log "$work/" 2>/dev/null
+    cp benchmarks/results/cartridges-h[0-9]*.* /tmp/cartridges/*.log "$work/" 2>/dev/null
     ;;
   e2e-moe)
     site_env

@@ -1030,24 +1030,10 @@ constexpr int kOctetChunk = 20;                  // floats per 16-value chunk in
 constexpr int kOctetStride = 8 * kOctetChunk + 16;  // floats per 128-block: 176 (two blocks in a half-warp differ by 16 banks)
 constexpr int kOctetItems = 32;                  // 128-blocks per 256-thread block
 
-// In-register butterfly stages over v[0..n) for strides first .. n/2 (element i's partner is i + s)
-template <int N>
-__device__ __forceinline__ void butterfly_regs(float (&v)[N]) {
-#pragma unroll
-  for (int s = 1; s < N; s <<= 1)
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (!(i & s)) {
-        const float lo = v[i], hi = v[i + s];
-        v[i] = lo + hi;
-        v[i + s] = lo - hi;
-      }
-}
-
 // Hadamard-128 (unscaled) of the block held by the octet: v = this thread's 16 consecutive values; sm = the block's
 // kOctetStride floats; t = thread within the octet. Every lane of the warp must call it (it syncs the warp).
 __device__ __forceinline__ void octet_butterfly(float (&v)[16], float* __restrict__ sm, int t) {
-  butterfly_regs(v);  // strides 1, 2, 4, 8
+  butterfly_local<16, 1>(v);  // strides 1, 2, 4, 8
   float4* own = reinterpret_cast<float4*>(sm + t * kOctetChunk);
 #pragma unroll
   for (int q = 0; q < 4; ++q) own[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
@@ -1059,8 +1045,8 @@ __device__ __forceinline__ void octet_butterfly(float (&v)[16], float* __restric
     a[g] = p.x;
     b[g] = p.y;
   }
-  butterfly_regs(a);  // strides 16, 32, 64
-  butterfly_regs(b);
+  butterfly_local<8, 1>(a);  // strides 16, 32, 64
+  butterfly_local<8, 1>(b);
   __syncwarp();
 #pragma unroll
   for (int g = 0; g < 8; ++g) *reinterpret_cast<float2*>(sm + g * kOctetChunk + 2 * t) = make_float2(a[g], b[g]);
@@ -1180,61 +1166,60 @@ struct Octet {
   int t;
   float* sm;
 };
-__device__ __forceinline__ Octet octet_here(float* sm_all) {
+__device__ __forceinline__ Octet octet_here() {
+  __shared__ __align__(16) float sm_all[kOctetItems * kOctetStride];
   const int o = threadIdx.x >> 3;
   return {(long long)blockIdx.x * kOctetItems + o, (int)(threadIdx.x & 7), sm_all + o * kOctetStride};
+}
+
+// Where block `item` of a dense [rows, cols] launch lies: its first column and element offset (0 past the end)
+struct OctetBlock {
+  bool valid;
+  int c0;
+  size_t at;
+};
+__device__ __forceinline__ OctetBlock octet_block(long long item, int rows, int cols) {
+  const int blocks = cols / 128;
+  if (item >= (long long)rows * blocks) return {false, 0, 0};
+  const long long r = item / blocks;
+  const int c0 = (int)(item - r * blocks) * 128;
+  return {true, c0, (size_t)r * cols + c0};
 }
 
 template <typename T>
 __global__ void __launch_bounds__(256) had_in_octet_kernel(const T* __restrict__ x, const half* __restrict__ suh,
                                                            half* __restrict__ out, int rows, int cols) {
-  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
-  const Octet o = octet_here(sm);
-  const int blocks = cols / 128;
-  const bool valid = o.item < (long long)rows * blocks;
-  const long long r = valid ? o.item / blocks : 0;
-  const int c0 = valid ? (int)(o.item - r * blocks) * 128 : 0;
-  const size_t at = (size_t)r * cols + c0;
-  had_in_octet(x + at, suh + c0, out + at, valid, o.sm, o.t);
+  const Octet o = octet_here();
+  const OctetBlock b = octet_block(o.item, rows, cols);
+  had_in_octet(x + b.at, suh + b.c0, out + b.at, b.valid, o.sm, o.t);
 }
 
 template <typename T, typename O>
 __global__ void __launch_bounds__(256) had_out_octet_kernel(const T* __restrict__ acc, const half* __restrict__ svh,
                                                             O* __restrict__ out, int splits, int rows, int cols) {
-  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
-  const Octet o = octet_here(sm);
-  const int blocks = cols / 128;
-  const bool valid = o.item < (long long)rows * blocks;
-  const long long r = valid ? o.item / blocks : 0;
-  const int c0 = valid ? (int)(o.item - r * blocks) * 128 : 0;
-  const size_t at = (size_t)r * cols + c0;
-  had_out_octet(acc + at, (size_t)rows * cols, splits, svh + c0, out + at, valid, o.sm, o.t);
+  const Octet o = octet_here();
+  const OctetBlock b = octet_block(o.item, rows, cols);
+  had_out_octet(acc + b.at, (size_t)rows * cols, splits, svh + b.c0, out + b.at, b.valid, o.sm, o.t);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(256) had_in_group_octet_kernel(const T* __restrict__ x,
                                                                  const GroupSource* __restrict__ srcs, int num,
                                                                  half* __restrict__ xh_all, int rows, int cols) {
-  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
-  const Octet o = octet_here(sm);
-  const int blocks = cols / 128;
-  const long long per_source = (long long)rows * blocks;
-  bool valid = o.item < num * per_source;
-  const int s = valid ? (int)(o.item / per_source) : 0;
-  const long long within = valid ? o.item - s * per_source : 0;
-  const int r = (int)(within / blocks), c0 = (int)(within % blocks) * 128;
-  valid = valid && srcs[s].n_tiles != 0;  // an empty source
-  const T* xp = x + (size_t)(valid ? srcs[s].x_row + r : 0) * cols + c0;
-  had_in_octet(xp, valid ? srcs[s].suh + c0 : nullptr, xh_all + ((size_t)s * rows + r) * cols + c0, valid, o.sm,
-               o.t);
+  const Octet o = octet_here();
+  const OctetBlock b = octet_block(o.item, num * rows, cols);  // xh_all is [num * rows, cols]
+  const long long row = (long long)(b.at / cols);
+  const int s = (int)(row / rows), r = (int)(row % rows);
+  const bool valid = b.valid && srcs[s].n_tiles != 0;  // not an empty source
+  had_in_octet(x + (size_t)(valid ? srcs[s].x_row + r : 0) * cols + b.c0, valid ? srcs[s].suh + b.c0 : nullptr,
+               xh_all + b.at, valid, o.sm, o.t);
 }
 
 template <typename O>
 __global__ void __launch_bounds__(256) had_out_group_octet_kernel(const float* __restrict__ partial,
                                                                   const GroupSource* __restrict__ srcs, int num,
                                                                   O* __restrict__ out, int rows, int total_cols) {
-  __shared__ __align__(16) float sm[kOctetItems * kOctetStride];
-  const Octet o = octet_here(sm);
+  const Octet o = octet_here();
   const int blocks = total_cols / 128;
   bool valid = o.item < (long long)rows * blocks;
   const int r = valid ? (int)(o.item / blocks) : 0, col = valid ? (int)(o.item % blocks) * 128 : 0;
