@@ -93,6 +93,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("ONE_LAUNCH_MAX_M", "1", "choice", tuple(str(m) for m in range(17)), "dense linears and fused q/k/v, "
          "gate/up layers (not the lm_head) on our CUDA kernels with at most this many rows run as one launch, the "
          "input and output rotations folded into the GEMM; 0: three launches at every m"),
+    Knob("ROTATION_FORM", "auto", "choice", ("auto", "warp", "octet"), "our CUDA kernels: the form of the Hadamard "
+         "rotation launches, one warp or eight threads per 128-block (the same values); auto: eight threads from a "
+         "measured size. For A/B measurements"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

@@ -313,3 +313,12 @@ def test_rotation_form_switch_returns_the_previous_form(compiled):
 def test_pinned_rotation_form_names_the_forms():
     with pytest.raises(ValueError, match="auto.*octet.*warp"), ck.pinned_had_form("fast"):
         pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form, code", [("warp", 1), ("octet", 2), ("auto", 0)])
+def test_rotation_form_knob_is_applied_when_the_library_loads(compiled_library, monkeypatch, form, code):
+    monkeypatch.setenv("SGLANG_EXL3_ROTATION_FORM", form)
+    lib = ck._open_library.__wrapped__(str(compiled_library))
+    assert lib.exl3_set_had_form(0) == code
+    assert lib.exl3_set_octet_min_items(-1) == ck.OCTET_MIN_ITEMS

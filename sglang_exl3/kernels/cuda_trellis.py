@@ -235,6 +235,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_quantize_tiles_fast_scratch.restype = ctypes.c_longlong
     lib.exl3_quantize_tiles_fast_scratch.argtypes = [i]
     lib.exl3_set_octet_min_items(OCTET_MIN_ITEMS)
+    lib.exl3_set_had_form(HAD_FORMS[knobs.get("ROTATION_FORM")])
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
