@@ -60,16 +60,20 @@ def _row(kind: str, k: int, n: int, m: int, times: dict[str, float], bf16_us: fl
 
 
 def rotation_rows(cols: list[int], rows: list[int]) -> list[dict]:
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
     out = []
     for n in cols:
-        scale = (torch.randn(n, generator=gen) * 0.1).half().cuda()
+        scale = (randn(n) * 0.1).half()
         for m in rows:
-            x = torch.randn(m, n, generator=gen).to(torch.bfloat16).cuda()
+            x = randn(m, n).to(torch.bfloat16)
             out.append(_row("had_in", n, n, m, _by_form(lambda i, x=x, s=scale: ck.had_in(x, s))))
-            acc16 = (torch.randn(1, m, n, generator=gen) * 30).half().cuda()
+            acc16 = (randn(1, m, n) * 30).half()
             out.append(_row("had_out_fp16", n, n, m, _by_form(lambda i, a=acc16, s=scale: ck.had_out(a, s))))
-            acc32 = (torch.randn(4, m, n, generator=gen) * 30).cuda()
+            acc32 = randn(4, m, n) * 30
             out.append(_row("had_out_fp32x4", n, n, m, _by_form(lambda i, a=acc32, s=scale: ck.had_out(a, s))))
     return out
 
