@@ -6,7 +6,8 @@ reconstruct + cuBLAS at large m) and `had_out_fp32x4` (four fp32 split-K partial
 launch; rows of kind `linear` time the whole EXL3 linear as dispatched (`exl3_linear`, 4 bits MCG, weight copies
 larger than L2) beside bf16 cuBLAS on the same shape, and rows of kind `group` a gate/up-like group of two
 4096 x 14336 sources at decode sizes (`group_linear`). Every octet result is checked bit for bit against the warp
-form. CUDA-graph replay throughout.
+form. `auto_us` is the size-based choice the product makes (OCTET_MIN_ITEMS, never over fp32 partials). CUDA-graph
+replay throughout.
 
   python benchmarks/rotation_ab.py [--cols 4096,14336] [--rows 1,8,64,256,2048,8192]
       [--shapes 4096x14336,14336x4096] [--linear-ms 16,64,256,2048] [--group-ms 16,64,128]
@@ -28,9 +29,9 @@ from benchmarks.xs_ab import _weights  # noqa: E402
 from sglang_exl3.format import Codebook  # noqa: E402
 from sglang_exl3.kernels import cuda_trellis as ck  # noqa: E402
 
-FORMS = ("warp", "octet")
-COLUMNS = ["kind", "k", "n", "m", "warp_us", "octet_us", "octet_speedup", "bf16_us", "warp_vs_bf16",
-           "octet_vs_bf16"]
+FORMS = ("warp", "octet", "auto")
+COLUMNS = ["kind", "k", "n", "m", "warp_us", "octet_us", "octet_speedup", "auto_us", "bf16_us", "warp_vs_bf16",
+           "octet_vs_bf16", "auto_vs_bf16"]
 
 
 def _by_form(fn, rotations: int = 1) -> dict[str, float]:
@@ -40,8 +41,9 @@ def _by_form(fn, rotations: int = 1) -> dict[str, float]:
     for form in FORMS:
         with ck.pinned_had_form(form):
             outs[form] = fn(0).clone()
-    if not torch.equal(outs["warp"].view(torch.int16), outs["octet"].view(torch.int16)):
-        raise AssertionError("the two rotation forms differ")
+    for form in FORMS[1:]:
+        if not torch.equal(outs["warp"].view(torch.int16), outs[form].view(torch.int16)):
+            raise AssertionError(f"the {form} rotation form differs from the warp form")
     times = {}
     for form in FORMS:
         with ck.pinned_had_form(form):
@@ -51,10 +53,9 @@ def _by_form(fn, rotations: int = 1) -> dict[str, float]:
 
 def _row(kind: str, k: int, n: int, m: int, times: dict[str, float], bf16_us: float | None = None) -> dict:
     row = {"kind": kind, "k": k, "n": n, "m": m, "warp_us": times["warp"], "octet_us": times["octet"],
-           "octet_speedup": round(times["warp"] / times["octet"], 3)}
+           "octet_speedup": round(times["warp"] / times["octet"], 3), "auto_us": times["auto"]}
     if bf16_us is not None:
-        row |= {"bf16_us": bf16_us, "warp_vs_bf16": round(times["warp"] / bf16_us, 3),
-                "octet_vs_bf16": round(times["octet"] / bf16_us, 3)}
+        row |= {"bf16_us": bf16_us, **{f"{f}_vs_bf16": round(times[f] / bf16_us, 3) for f in FORMS}}
     print(row, flush=True)
     return row
 

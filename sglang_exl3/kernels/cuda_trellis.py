@@ -350,9 +350,10 @@ def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = Non
 
 
 HAD_FORMS = {"auto": 0, "warp": 1, "octet": 2}
-# A rotation launch over at least this many 128-blocks takes the octet form (set in the library when it is loaded).
-# Off until the two forms are measured on the GPU (benchmarks/rotation_ab.py); pinned_had_form reaches it meanwhile.
-OCTET_MIN_ITEMS = 1 << 62
+# A rotation launch over at least this many 128-blocks takes the octet form (set in the library when it is loaded),
+# except over fp32 split-K partials. H100, rotation-ab: had_out of one fp16 split 1.40x at 7,168 blocks and 2.0-2.3x
+# from 8,192; had_in 0.98-1.03x at 7,168-8,192 and 1.16-1.31x above; both 0.70-0.96x at 2,048 and below
+OCTET_MIN_ITEMS = 4096
 
 
 @contextmanager

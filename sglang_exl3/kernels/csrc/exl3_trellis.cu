@@ -1233,13 +1233,15 @@ __global__ void __launch_bounds__(256) had_out_group_octet_kernel(const float* _
 }
 
 // Which form a rotation launch takes: kHadFormAuto picks the octet form from g_octet_min_items 128-blocks (the
-// Python side sets the measured crossover when it loads the library); exl3_set_had_form pins one form for the
-// whole process (A/B measurements)
+// Python side sets the measured crossover when it loads the library), except over fp32 split-K partials, where the
+// warp form's eight loads in flight per lane measured faster at every size (rotation-ab); exl3_set_had_form pins
+// one form for the whole process (A/B measurements)
 constexpr int kHadFormAuto = 0, kHadFormWarp = 1, kHadFormOctet = 2;
 int g_had_form = kHadFormAuto;
 long long g_octet_min_items = 4096;
-bool use_octet(long long items) {
-  return g_had_form == kHadFormOctet || (g_had_form == kHadFormAuto && items >= g_octet_min_items);
+bool use_octet(long long items, bool fp32_partials) {
+  if (g_had_form != kHadFormAuto) return g_had_form == kHadFormOctet;
+  return !fp32_partials && items >= g_octet_min_items;
 }
 unsigned octet_grid(long long items) { return (unsigned)((items + kOctetItems - 1) / kOctetItems); }
 
@@ -1248,7 +1250,7 @@ template <typename T>
 void launch_had_in_group(const T* x, const GroupSource* srcs, int num, half* xh_all, int rows, int cols,
                          cudaStream_t s) {
   const long long items = (long long)num * rows * (cols / 128);
-  if (use_octet(items))
+  if (use_octet(items, false))
     had_in_group_octet_kernel<<<octet_grid(items), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
   else
     had_in_group_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
@@ -1896,7 +1898,7 @@ int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows,
   const long long items = (long long)rows * (cols / 128);
   auto s = (cudaStream_t)stream;
   auto launch = [&](auto* xp) {
-    if (use_octet(items))
+    if (use_octet(items, false))
       had_in_octet_kernel<<<octet_grid(items), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
     else
       had_in_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
@@ -1914,7 +1916,7 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
   auto s = (cudaStream_t)stream;
   auto launch = [&](auto* o) {
     auto run = [&](auto* a) {
-      if (use_octet(items))
+      if (use_octet(items, acc_is_fp32))
         had_out_octet_kernel<<<octet_grid(items), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
       else
         had_out_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
@@ -1963,7 +1965,7 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   }();
   if (code != 0 || c != nullptr) return code;
   auto rotate_out = [&](auto* o) {
-    if (use_octet(out_items))
+    if (use_octet(out_items, true))
       had_out_group_octet_kernel<<<octet_grid(out_items), 256, 0, s>>>(p, srcs, num, o, m, total_cols);
     else
       had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
