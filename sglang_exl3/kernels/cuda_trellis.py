@@ -351,8 +351,8 @@ def had_out(acc: torch.Tensor, svh: torch.Tensor, out: torch.Tensor | None = Non
 
 HAD_FORMS = {"auto": 0, "warp": 1, "octet": 2}
 # A rotation launch over at least this many 128-blocks takes the octet form (set in the library when it is loaded),
-# except over fp32 split-K partials. H100, rotation-ab: had_out of one fp16 split 1.40x at 7,168 blocks and 2.0-2.3x
-# from 8,192; had_in 0.98-1.03x at 7,168-8,192 and 1.16-1.31x above; both 0.70-0.96x at 2,048 and below
+# except over fp32 split-K partials. H100, rotation-ab: had_out of one fp16 split 1.38-1.47x at 7,168-8,192 blocks and
+# 2.0-2.3x above; had_in 1.00-1.03x there and 1.17-1.32x above; the octet form 0.70-0.96x at 2,048 and below
 OCTET_MIN_ITEMS = 4096
 
 
