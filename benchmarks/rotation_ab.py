@@ -35,8 +35,8 @@ COLUMNS = ["kind", "k", "n", "m", "warp_us", "octet_us", "octet_speedup", "auto_
 
 
 def _by_form(fn, rotations: int = 1) -> dict[str, float]:
-    """Each form's time for fn(i) (i cycling over `rotations` inputs), after checking that the two forms give the
-    same bits."""
+    """Each form's time for fn(i) (i cycling over `rotations` inputs), after checking that every form gives the warp
+    form's bits."""
     outs = {}
     for form in FORMS:
         with ck.pinned_had_form(form):
