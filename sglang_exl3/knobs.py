@@ -96,6 +96,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("ROTATION_FORM", "auto", "choice", ("auto", "warp", "octet"), "our CUDA kernels: the form of the Hadamard "
          "rotation launches, one warp or eight threads per 128-block (the same values); auto: eight threads from a "
          "measured size. For A/B measurements"),
+    Knob("WGMMA", "auto", "choice", ("auto", "off"), "our CUDA kernels on Hopper: the x-ring GEMM (16-128 rows) "
+         "as warpgroup MMAs (wgmma) fed by the weight decode in registers; auto: where the kernel build has them "
+         "(sm_90a); off: the mma.sync ring. For A/B measurements"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

@@ -80,6 +80,10 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 81, None) == -3  # N tiles % 8
     assert lib.exl3_gemm_partial_ring(None, None, None, 0, 16, 8, 1, 8, 1, 82, None) == -3  # m = 0
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 9, 1, 81, None) == -1  # 4.5 bits in MCG
+    # the wgmma ring: refused as unsupported until exl3_wgmma_available() has found it (never, without a GPU)
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 8, 1, 92, None) == -1
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 91, None) == -3  # N tiles % 8
+    assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 8, 1, 93, None) == -3  # not a built mode
     lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
 
     def one_launch(m=1, k_tiles=16, items=8, cols=128, k2=8, counters=1, xs_slice=16, warps=4):
@@ -105,6 +109,7 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert ring_rotating_out(ring=0) == -3  # counters without the ring
     assert ring_rotating_out(counters_len=1) == -3  # 256 columns: two counters per 64-row block
     assert ring_rotating_out(m=65) == -3  # two 64-row blocks need four
+    assert ring_rotating_out(ring=92) == -3  # the wgmma ring never rotates its own output
 
 
 @pytest.mark.slow
@@ -322,3 +327,27 @@ def test_rotation_form_knob_is_applied_when_the_library_loads(compiled_library, 
     lib = ck._open_library.__wrapped__(str(compiled_library))
     assert lib.exl3_set_had_form(0) == code
     assert lib.exl3_set_octet_min_items(-1) == ck.OCTET_MIN_ITEMS
+
+
+def test_ring_mode_takes_the_wgmma_ring_where_it_is_ready(monkeypatch):
+    """The ring's mode by m: the wgmma ring (92 up to 128 rows, 91 above) where the library's probe found it, else
+    the mma.sync ring (82 up to 32 rows, 81 above); pinned_wgmma and SGLANG_EXL3_WGMMA=off turn it off for A/B."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(ck._WGMMA, 0, True)
+    assert [ck.ring_mode(m, dev) for m in (16, 64, 128, 129, 256)] == [92, 92, 92, 91, 91]
+    with ck.pinned_wgmma(False):
+        assert [ck.ring_mode(m, dev) for m in (16, 32, 33, 128)] == [82, 82, 81, 81]
+        with ck.pinned_wgmma(True):
+            assert ck.ring_mode(64, dev) == 92
+    monkeypatch.setenv("SGLANG_EXL3_WGMMA", "off")
+    ck._wgmma_knob.cache_clear()
+    try:
+        assert ck.ring_mode(64, dev) == 81
+    finally:
+        monkeypatch.delenv("SGLANG_EXL3_WGMMA")
+        ck._wgmma_knob.cache_clear()
+    monkeypatch.setitem(ck._WGMMA, 0, False)
+    assert ck.ring_mode(64, dev) == 81
+    rows = [ck.wg_block_rows(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 300)]
+    assert rows == [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 18
+ABI_VERSION = 19
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -112,8 +112,12 @@ def build_library(out: Path | None = None, arch: str | None = None, verbose: boo
     out = Path(out) if out else cache_path(tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
-           f"-gencode=arch=compute_{tag},code=sm_{tag}", f"-gencode=arch=compute_{tag},code=compute_{tag}",
+    # Hopper builds for sm_90a, whose wgmma the ring's warpgroup form needs. Its code runs on sm_90 GPUs only, which
+    # is what a per-arch build is for, and sm_90a PTX could not be compiled for a later GPU either, so none is
+    # embedded (it made the library 38.8 MB instead of ~28)
+    arch_flags = ([f"-gencode=arch=compute_{tag},code=sm_{tag}", f"-gencode=arch=compute_{tag},code=compute_{tag}"]
+                  if tag != "90" else ["-gencode=arch=compute_90a,code=sm_90a"])
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *arch_flags,
            "-o", str(tmp), str(SOURCE)]
     if verbose:
         cmd.insert(1, "-Xptxas=-v")
@@ -236,6 +240,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_quantize_tiles_fast_scratch.argtypes = [i]
     lib.exl3_set_octet_min_items(OCTET_MIN_ITEMS)
     lib.exl3_set_had_form(HAD_FORMS[knobs.get("ROTATION_FORM")])
+    lib.exl3_wgmma_available.argtypes = []
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
     return lib
@@ -466,23 +471,74 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
 
 
 RING_MODES = (81, 82)  # x-ring GEMM: warps per block (8) * 10 + trellis groups per x chunk (1, 2)
+# The x ring on Hopper's warpgroup MMA (sm_90a builds), decoding the weights once per block of wg_block_rows(m) rows
+# (up to 256): 91 / 92 wgmma fed from registers (one / two trellis groups per x chunk), 93 warp-specialised (decoding
+# warps feed a wgmma warpgroup through shared memory; K % 64 == 0, at most K / 64 splits).
+WG_MODES = (91, 92, 93)
+_WGMMA: dict[int, bool] = {}  # the library's probe, per device index
+_WGMMA_PIN: list[bool] = []  # pinned_wgmma's stack
 
 
-def ring_mode(m: int) -> int:
-    """The ring's mode for m rows: 8 warps per block, x in chunks of two trellis groups up to 32 rows and of one
-    above (ring-ab-h200: with ring_splits, the fastest measured cell at 32 and 64 rows on all four shapes, within
-    4% at 16 and 128)."""
+@cache
+def _wgmma_knob() -> bool:
+    return knobs.get("WGMMA") != "off"
+
+
+@contextmanager
+def pinned_wgmma(on: bool) -> Iterator[None]:
+    """Inside, the policy takes the wgmma ring where it is available (on) or the mma.sync ring (off), whatever
+    SGLANG_EXL3_WGMMA says: for A/B measurements and tests. A CUDA graph keeps the kernels it was captured with."""
+    _WGMMA_PIN.append(on)
+    try:
+        yield
+    finally:
+        _WGMMA_PIN.pop()
+
+
+def wgmma_ready(device: torch.device | None = None) -> bool:
+    """Whether the wgmma ring serves this GPU: the library was built for sm_90a and runs on it, and
+    SGLANG_EXL3_WGMMA is not off. The library's probe synchronizes, so it runs once per device, never inside a CUDA
+    graph capture (a capture before any probe keeps the mma.sync ring)."""
+    if not (_WGMMA_PIN[-1] if _WGMMA_PIN else _wgmma_knob()) or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _WGMMA:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        with torch.cuda.device(index):
+            _WGMMA[index] = load_library().exl3_wgmma_available() == 1
+    return _WGMMA[index]
+
+
+def wg_block_rows(m: int) -> int:
+    """Rows of x per wgmma ring block (the library's wg_rows): the wgmma N, 16 to 256."""
+    return next(r for r in (16, 32, 64, 128) if m <= r) if m <= 128 else 256
+
+
+def ring_mode(m: int, device: torch.device | None = None) -> int:
+    """The ring's mode for m rows. The wgmma ring where wgmma_ready(), else 8 warps per block, x in chunks of two
+    trellis groups up to 32 rows and of one above (ring-ab-h200: with ring_splits, the fastest measured cell at 32
+    and 64 rows on all four shapes, within 4% at 16 and 128)."""
+    if wgmma_ready(device):
+        return 92 if m <= 128 else 91
+    return mma_ring_mode(m)
+
+
+def mma_ring_mode(m: int) -> int:
+    """The mma.sync ring's mode for m rows (see ring_mode)."""
     return 82 if m <= 32 else 81
 
 
-def ring_splits(m: int, k_tiles: int, n_tiles: int, device: torch.device) -> int:
+def ring_splits(m: int, k_tiles: int, n_tiles: int, device: torch.device, mode: int | None = None) -> int:
     """Half of default_splits, rounded up, unless that leaves fewer ring blocks than SMs (then default_splits): a
     ring block serves 8 column strips of one 64-row block, and fewer, longer K splits write fewer partials
     (ring-ab-h200: the best of {half, default, double} at m = 16-128 on 4096 x 14336, 14336 x 4096 and 4096 x 4096;
     on 4096 x 1024 half gives 64 blocks and default_splits is up to 21% faster)."""
     base = default_splits(k_tiles, n_tiles, device)
     half = max(1, -(-base // 2))
-    blocks = n_tiles * half // 8 * -(-m // RING_BLOCK_ROWS)
+    mode = ring_mode(m, device) if mode is None else mode
+    block_rows = wg_block_rows(m) if mode in WG_MODES else RING_BLOCK_ROWS
+    blocks = n_tiles * half // 8 * -(-m // block_rows)
     return half if blocks >= _sm_count(device.index or 0) else base
 
 
@@ -492,9 +548,9 @@ def uses_ring(m: int, n_tiles: int) -> bool:
 
 
 def _check_ring(mode: int, n_tiles: int) -> None:
-    if mode not in RING_MODES or n_tiles % (mode // 10):
-        raise ValueError(f"the x-ring GEMM takes a mode in {RING_MODES} (warps per block * 10 + groups per chunk) "
-                         f"and N % (16 * warps) == 0, got mode {mode} and N={n_tiles * 16}")
+    if mode not in RING_MODES + WG_MODES or n_tiles % 8:
+        raise ValueError(f"the x-ring GEMM takes a mode in {RING_MODES + WG_MODES} and N % 128 == 0, got mode {mode} "
+                         f"and N={n_tiles * 16}")
 
 
 def _gemm_ring(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook, splits: int, mode: int) -> torch.Tensor:
@@ -531,7 +587,8 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct_staged"
         if path == "fused" and not splits and uses_ring(m, tiles.shape[0]):
-            ring, splits = ring_mode(m), ring_splits(m, tiles.shape[1], tiles.shape[0], x.device)
+            ring = ring_mode(m, x.device)
+            splits = ring_splits(m, tiles.shape[1], tiles.shape[0], x.device, ring)
         elif path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
             splits = auto_xs_splits(m, tiles.shape[1], tiles.shape[0], codebook, x.device)
             xs = splits is not None
@@ -876,11 +933,12 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
     """[m, total_cols] of x's dtype: the three launches of a group over a table of `num` sources (x fp16 or bf16
     rows as the table's x_row fields address them; bf16 in and out give what casting around an fp16 call gives).
     Sources with n_tiles = 0 are skipped; the items and columns counted for them may be an upper bound. xs_slice > 0:
-    x staged in shared memory for K slices up to that many tiles; `ring` (a RING_MODES mode): x through the
-    shared-memory ring instead (any m); with `counters` (Exl3Group.ring_counters_for) the ring launch rotates its
-    own output: two launches, the same values."""
+    x staged in shared memory for K slices up to that many tiles; `ring` (a RING_MODES or WG_MODES mode): x through
+    the shared-memory ring instead (any m); with `counters` (Exl3Group.ring_counters_for; RING_MODES only) the ring
+    launch rotates its own output: two launches, the same values."""
     _check_act("x", x, (x.shape[0], k_tiles * 16))
-    if counters is not None and (not ring or counters.dtype != torch.int32 or counters.device != x.device):
+    if counters is not None and (ring not in RING_MODES or counters.dtype != torch.int32
+                                 or counters.device != x.device):
         raise ValueError(f"group_run: counters need the ring and int32 on {x.device}, got ring {ring}, "
                          f"{counters.dtype} on {counters.device}")
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
@@ -1055,9 +1113,12 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     dtype). `ring`: a RING_MODES mode (x through the shared-memory ring, any m), 0 for the x-slice / global-load
     kernels (m <= 64), or None for the group's policy (Exl3Group.ring_mode). The output rotation is its own launch;
     ring_rotates_out=True lets the ring launch rotate its own output where the group's counters cover m, the same
-    values (opt-in: it measured 0.61-0.95x as fast at m = 16-128, ring-ab-groups-h100-80gb-hbm3)."""
+    values (opt-in: it measured 0.61-0.95x as fast at m = 16-128, ring-ab-groups-h100-80gb-hbm3), on the mma.sync
+    ring only (the policy's wgmma mode gives way to it)."""
     m = x.shape[0]
     ring = group.ring_mode(m) if ring is None else ring
+    if ring in WG_MODES and ring_rotates_out:
+        ring = mma_ring_mode(m)
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None

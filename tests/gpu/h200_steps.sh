@@ -6,6 +6,8 @@
 #                                         benchmarks/ring_ab.py when $RING_ARGS is set
 # rotab     carry .kbuild                 benchmarks/rotation_ab.py, torch only ($ROTAB_ARGS): the rotation launches' two
 #                                         forms, alone and inside the whole linear, beside bf16
+# wgab      carry .kbuild                 benchmarks/wgmma_ab.py, torch only ($WGAB_ARGS): the x ring on wgmma against the
+#                                         mma.sync ring, today's dispatch and bf16, single linears and groups
 # site1     carry .devbundle/a1           unpack bundle part a1 (the tree + a1 + .kbuild exceed one call's 64 MiB)
 # site2     carry .devbundle/a2           unpack bundle part a2
 # sglang    carry .devbundle/b .kbuild    stage SGLang, install the package; exllamav3's extension from
@@ -110,6 +112,11 @@ run_step() {
     PYTHONPATH=$PWD timeout "${ROTAB_TIMEOUT:-300}" python3 benchmarks/rotation_ab.py ${ROTAB_ARGS:-} 2>&1 |
       tee "$work/rotab.txt" | grep -v "^{" | tail -6
     cp benchmarks/results/rotation-ab* "$work/" 2>/dev/null
+    ;;
+  wgab)  # benchmarks/wgmma_ab.py: the x ring on wgmma against the mma.sync ring, today's dispatch and bf16
+    PYTHONPATH=$PWD timeout "${WGAB_TIMEOUT:-300}" python3 benchmarks/wgmma_ab.py ${WGAB_ARGS:-} 2>&1 |
+      tee "$work/wgab.txt" | grep -v "^{" | tail -6
+    cp benchmarks/results/wgmma-ab* "$work/" 2>/dev/null
     ;;
   site1) tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site && echo "site1 unpacked" ;;
   site2) tar -xJf .devbundle/a2/site2.tar.xz -C /tmp/site && touch /tmp/site/.part_a && echo "site2 unpacked" ;;

@@ -193,6 +193,70 @@ def test_gemm_with_x_ring_is_bit_identical(cb, bits):
                     assert torch.equal(got[:, r0:r0 + 64], want[i]), f"m={m} splits={splits} mode={mode} rows {r0}+"
 
 
+def _needs_wgmma() -> None:
+    if not ck.wgmma_ready():
+        pytest.skip("the wgmma ring needs an sm_90a build on a Hopper GPU")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative distance of two partials; inf where got is not finite."""
+    return float((got - want).norm() / want.norm()) if torch.isfinite(got).all() else float("inf")
+
+
+@pytest.mark.parametrize("cb, bits", VARIANTS, ids=IDS)
+def test_gemm_with_wgmma_ring_matches_the_mma_ring(cb, bits):
+    """The wgmma ring's partials equal the mma.sync ring's up to fp32 summation order (the tensor cores sum a k16
+    step in their own order): both chunk modes, every block height (16-256 rows) with rows past m, more than 256 rows
+    as further blocks, and K slices of 1-18 tiles (a last chunk shorter than its groups, a slice of one tile)."""
+    _needs_wgmma()
+    trellis, _, _, x = _case(1152, 256, bits, 300, seed=int(bits * 6) + 7 * int(cb))
+    t = ck.prepare(trellis.cuda())
+    for m in (1, 9, 16, 17, 33, 64, 100, 128, 129, 256, 300):
+        xh = x[:m].cuda()
+        for splits in (1, 4, 7, 72):
+            want = ck.gemm_rotated_partial(xh, t, cb, splits=splits, ring=81)
+            for mode in ck.WG_MODES:
+                if mode == 93 and splits > 72 // 4:  # the warp-specialised form splits K in whole 64-column stages
+                    continue
+                got = ck.gemm_rotated_partial(xh, t, cb, splits=splits, ring=mode)
+                assert got.shape == want.shape
+                assert _close(got, want) < 1e-5, f"m={m} splits={splits} mode={mode}: rel {_close(got, want):.2e}"
+
+
+def test_group_with_wgmma_ring_matches_the_mma_ring():
+    """A group through the wgmma ring: sources of different widths and splits in one launch, up to 300 rows, fp16
+    and bf16, within fp32 summation order of the mma.sync ring; the in-launch output rotation is the mma.sync ring's
+    alone (group_run refuses counters with a wgmma mode; group_linear falls back to the mma.sync ring for it)."""
+    _needs_wgmma()
+    k, widths, cb = 1024, (512, 128, 256), Codebook.MCG
+    srcs = [_case(k, n, 4, 16, seed=80 + i) for i, n in enumerate(widths)]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    group = ck.make_group(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs], cb,
+                          splits=[3, 1, 7])
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(5)).half().cuda()
+
+    def run(rows: torch.Tensor, **kw) -> torch.Tensor:
+        m = rows.shape[0]
+        return ck.group_run(rows.contiguous(), group.table, group.num, m, group.k_tiles, group.total_items,
+                            group.total_cols, group.partial_per_row, group.k2, group.codebook, **kw)
+
+    for m in (1, 9, 16, 33, 64, 150, 256, 300):
+        for dtype in (torch.float16, torch.bfloat16):
+            want = run(x[:m].to(dtype), ring=81)
+            for mode in ck.WG_MODES:
+                got = run(x[:m].to(dtype), ring=mode)
+                assert got.dtype == dtype and _close(got.float(), want.float()) < 2e-3, f"m={m} mode={mode}"
+    counters = torch.zeros(3 * group.total_cols // 128, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="counters"):
+        run(x[:64], ring=92, counters=counters)
+    with ck.pinned_wgmma(True):
+        assert group.ring_mode(64) in ck.WG_MODES
+        assert torch.equal(ck.group_linear(x[:64], group, ring_rotates_out=True).view(torch.int16),
+                           run(x[:64], ring=ck.mma_ring_mode(64)).view(torch.int16))
+    with ck.pinned_wgmma(False):
+        assert group.ring_mode(64) in ck.RING_MODES
+
+
 def test_gemm_x_in_shared_memory_limits():
     t = ck.prepare(_trellis(8, 6, 4, seed=2).cuda())  # 6 column tiles: not a multiple of 4
     with pytest.raises(ValueError, match="x in shared memory"):

@@ -685,6 +685,431 @@ __global__ void __launch_bounds__(KW * 32) gemm_ring_kernel(const half* __restri
                                 blockIdx.x * KW + (threadIdx.x >> 5), ring);
 }
 
+
+// ---- the x-ring GEMM on Hopper's warpgroup MMA (sm_90a) --------------------------------------------------------
+// The ring GEMM at 64 rows spends ~40 of its ~86 warp instructions per tile on 8 mma.sync and 4 ldmatrix: the row
+// count's share. Here each warpgroup (4 warps = 4 column strips = 64 output features) issues one wgmma per k-tile
+// and 64 rows of x: A = the decoded fragments, straight from registers (the wgmma A fragment of a warp's 16 rows is
+// the mma.m16n8k16 A fragment), B = x^T from shared memory. The decode is the same per tile at any row count, so a
+// tile costs ~the m = 1 decode up to 256 rows. wgmma is asynchronous: a tile's decode overlaps the previous tile's
+// MMA (two fragment buffers, at most one wgmma in flight when the next decode starts).
+//
+// x arrives as in the ring (cp.async chunks of CG trellis groups), laid out as wgmma's K-major 128-byte-swizzled
+// canonical layout: per 64 columns of K ("atom"), a row of x is 128 bytes whose 16-byte pieces are permuted by the
+// row's low 3 bits (piece kk at kk ^ (row % 8)); rows 128 bytes apart (SBO = 1024 per 8 rows), atoms NR * 128 bytes
+// apart; a k16 tile starts 32 bytes into its atom. Four slots; chunk c + 2 is copied while chunk c is read, so the slot being
+// refilled was last read two chunks back, which every warp's wgmma has finished (each waits for all but its latest).
+// Partials as the ring's ([splits, m, N] fp32), not bit-identical to it: the tensor cores sum a k16 step in another
+// order.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EXL3_HAS_WGMMA 1
+#endif
+
+constexpr int kWgStages = 4;
+__host__ __device__ constexpr int wg_slot_bytes(int nr, int cg) { return nr * cg * kDepth * 32; }
+// + 1 KB to align the ring to the swizzle pattern's 1,024 bytes
+__host__ __device__ constexpr int wg_smem(int nr, int cg) { return kWgStages * wg_slot_bytes(nr, cg) + 1024; }
+// 91 / 92: wgmma fed from registers, one / two trellis groups per x chunk; 93: the warp-specialised form
+inline bool wg_mode_ok(int mode) { return mode == 91 || mode == 92 || mode == 93; }
+// rows of x per block (blockIdx.y): the wgmma N, 16 to 256
+inline int wg_rows(int m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : m <= 128 ? 128 : 256; }
+
+#define EXL3_ACC4(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+template <int B, int MT>  // rows 8B .. 8B + 15 of the accumulators
+__device__ __forceinline__ void wgmma_n16(float (&d)[MT][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int B, int MT>  // rows 8B .. 8B + 31 of the accumulators
+__device__ __forceinline__ void wgmma_n32(float (&d)[MT][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int B, int MT>  // rows 8B .. 8B + 63 of the accumulators
+__device__ __forceinline__ void wgmma_n64(float (&d)[MT][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3),
+        EXL3_ACC4(d, B + 4), EXL3_ACC4(d, B + 5), EXL3_ACC4(d, B + 6), EXL3_ACC4(d, B + 7)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+template <int B, int MT>  // rows 8B .. 8B + 15 of the accumulators; A and B from shared memory
+__device__ __forceinline__ void wgmma_ss_n16(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1)
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+template <int B, int MT>  // rows 8B .. 8B + 31 of the accumulators; A and B from shared memory
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3)
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+template <int B, int MT>  // rows 8B .. 8B + 63 of the accumulators; A and B from shared memory
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3),
+        EXL3_ACC4(d, B + 4), EXL3_ACC4(d, B + 5), EXL3_ACC4(d, B + 6), EXL3_ACC4(d, B + 7)
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+#undef EXL3_ACC4
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// cp.async writes through the generic proxy, wgmma reads through the async proxy
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// keeps the compiler from touching accumulators across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand)
+template <int MT>
+__device__ __forceinline__ void fence_acc(float (&acc)[MT][4]) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
+}
+
+// acc[NR / 8][4] += W^T tile (a: this warp's 16 features) x x^T tile (desc: NR rows at the descriptor's address), as
+// 64-row wgmmas (64 rows of x are 8 KB apart in an atom)
+template <int NR>
+__device__ __forceinline__ void wgmma_rows(float (&acc)[NR / 8][4], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (NR == 16) wgmma_n16<0>(acc, a, desc);
+  else if constexpr (NR == 32) wgmma_n32<0>(acc, a, desc);
+  else {
+    wgmma_n64<0>(acc, a, desc);
+    if constexpr (NR >= 128) wgmma_n64<8>(acc, a, desc + (8192 >> 4));
+    if constexpr (NR >= 256) {
+      wgmma_n64<16>(acc, a, desc + (16384 >> 4));
+      wgmma_n64<24>(acc, a, desc + (24576 >> 4));
+    }
+  }
+}
+
+// This thread's share of a chunk's copies: 16-byte piece (kp, r) of the chunk (kp = 8-column K group, r = row) goes to
+// atom kp / 8, row r, piece (kp % 8) ^ (r % 8); a warp's 32 pieces (8 rows x 4 K groups) hit 32 distinct banks groups
+// four at a time.
+template <int NR, int CG>
+struct WgFill {
+  static constexpr int kPieces = CG * kDepth * 2;   // 16-byte pieces per row of a chunk
+  static constexpr int kRowStep = 256 / kPieces;    // rows per pass of the block's 256 threads
+  static constexpr int kPasses = (NR * kPieces + 255) / 256;
+  const half* src;  // row 0, piece kp, at the split's first tile
+  uint32_t dst;     // (kp, r0) inside a slot
+  int r0, tile;     // first row, and the k-tile of piece kp inside a chunk
+
+  __device__ __forceinline__ WgFill(const half* __restrict__ xh, int kt0, int i) {  // i: this thread, 0..255
+    const int kp = (i >> 3) % kPieces;
+    r0 = (i & 7) + 8 * (i / (8 * kPieces));
+    tile = kp >> 1;
+    src = xh + kt0 * 16 + kp * 8;
+    dst = (kp >> 3) * NR * 128 + r0 * 128 + (((kp & 7) ^ (r0 & 7)) << 4);  // kRowStep % 8 == 0: the same swizzle
+  }
+
+  // chunk `chunk` (its tiles clipped to `tiles`) into the slot at `slot`; rows >= mb zero-filled (their copies read
+  // nothing; the address given is row 0's)
+  __device__ __forceinline__ void fill(uint32_t slot, int chunk, int tiles, int mb, int K) const {
+    if (chunk * CG * kDepth + tile >= tiles) return;
+    const half* p = src + (size_t)chunk * CG * kDepth * 16;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = r0 + i * kRowStep;
+      if (r >= NR) break;
+      cp_async16(slot + dst + i * kRowStep * 128, r < mb ? p + (size_t)r * K : p, r < mb ? 16 : 0);
+    }
+  }
+};
+
+// One warp's work item (as ring_warp's) for rows [NR blockIdx.y, +NR) of x; the block's 8 warps (two warpgroups)
+// share the item's K split (n_tiles % 8 == 0) and the x ring.
+template <int K2, int CB, int NR, int CG>
+__device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
+                                        float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
+                                        int item, uint4* __restrict__ ring) {
+#ifdef EXL3_HAS_WGMMA
+  constexpr int L = LaneBits<K2>::kLoad, W = words32(K2), D = kDepth, S = kWgStages, P = S - 2;
+  constexpr uint32_t slot_bytes = wg_slot_bytes(NR, CG), atom_bytes = NR * 128;
+  const int lane = threadIdx.x & 31;
+  const int tn = item % n_tiles, split = item / n_tiles;
+  const int kt0 = (int)((long long)split * k_tiles / splits), kt1 = (int)((long long)(split + 1) * k_tiles / splits);
+  const int K = k_tiles * 16, N = n_tiles * 16;
+  const int row0 = blockIdx.y * NR, mb = min(m - row0, NR);
+  const LaneBits<K2> bits(lane);
+  const WgFill<NR, CG> filler(xh + (size_t)row0 * K, kt0, threadIdx.x);
+
+  const uint32_t* lw[L];
+#pragma unroll
+  for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
+  auto load_tiles = [&](auto& buf, int count) {
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+#pragma unroll
+      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
+    }
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] += count * W;
+  };
+
+  const uint32_t ring0 = ((uint32_t)__cvta_generic_to_shared(ring) + 1023u) & ~1023u;
+  // descriptor: start address >> 4 (bits 0-13), LBO >> 4 (16-29; unused when swizzled: 1), SBO >> 4 (32-45),
+  // 128-byte swizzle (bits 62-63 = 1)
+  const uint64_t desc0 = (uint64_t)((ring0 & 0x3FFFF) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
+                         (1ull << 62);
+  float acc[NR / 8][4];
+#pragma unroll
+  for (int i = 0; i < NR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  fence_acc<NR / 8>(acc);
+  // A trellis group's D tiles are decoded into one of two fragment sets, then MMA'd as one batch (one fence, D
+  // wgmmas, one commit); waiting for the batch before it leaves the other set free for the next group's decode, so a
+  // batch has a whole group's decode to finish in (one batch per tile measured 0.77-0.92x the mma.sync ring: each
+  // tile then waited out the previous wgmma's latency).
+  uint32_t frag_a[D][4], frag_b[D][4];
+  auto mma_batch = [&](auto& frag, uint32_t offset, int count) {
+    wgmma_fence();
+#pragma unroll
+    for (int d = 0; d < count; ++d) wgmma_rows<NR>(acc, frag[d], desc0 + ((offset + d * 32) >> 4));
+    wgmma_commit();
+    wgmma_wait<1>();
+  };
+
+  const int tiles = kt1 - kt0, groups = tiles / D, chunks = (tiles + CG * D - 1) / (CG * D);
+#pragma unroll
+  for (int c = 0; c < P; ++c) {
+    if (c < chunks) filler.fill(ring0 + c * slot_bytes, c, tiles, mb, K);
+    cp_async_commit();
+  }
+  auto chunk_start = [&](int c) {
+    cp_async_wait<P - 1>();
+    fence_proxy_async();
+    __syncthreads();
+    if (c + P < chunks) filler.fill(ring0 + ((c + P) % S) * slot_bytes, c + P, tiles, mb, K);
+    cp_async_commit();
+  };
+  auto step = [&](int grp, const auto& cur, auto& next, auto& frag) {
+    if (grp + 1 < groups) load_tiles(next, D);
+#pragma unroll
+    for (int d = 0; d < D; ++d) bits.template decode<CB>(cur[d], frag[d]);
+    if (grp % CG == 0) chunk_start(grp / CG);
+    mma_batch(frag, ((grp / CG) % S) * slot_bytes + (grp % CG) * atom_bytes, D);
+  };
+  uint32_t buf_a[D][L], buf_b[D][L];
+  if (groups > 0) load_tiles(buf_a, D);
+  for (int grp = 0; grp < groups; grp += 2) {
+    step(grp, buf_a, buf_b, frag_a);
+    if (grp + 1 >= groups) break;
+    step(grp + 1, buf_b, buf_a, frag_b);
+  }
+  if (tiles > groups * D) {  // fewer than kDepth tiles after the last group, in the last chunk
+    if (groups % CG == 0) chunk_start(groups / CG);
+    const uint32_t offset = ((groups / CG) % S) * slot_bytes + (groups % CG) * atom_bytes;
+    wgmma_wait<0>();  // both fragment sets free
+    for (int d = 0; d < tiles - groups * D; ++d) {
+      uint32_t one[1][L];
+      load_tiles(one, 1);
+      bits.template decode<CB>(one[0], frag_a[0]);
+      mma_batch(frag_a, offset + d * 32, 1);
+      wgmma_wait<0>();
+    }
+  }
+  wgmma_wait<0>();
+  fence_acc<NR / 8>(acc);
+  store_acc<NR / 8>(partial + ((size_t)split * m + row0) * N + tn * 16, acc, mb, N, lane);
+#else
+  __trap();  // the launcher checks exl3_wgmma_available() first
+#endif
+}
+
+template <int K2, int CB, int NR, int CG>
+__global__ void __launch_bounds__(256) gemm_wg_kernel(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
+                                                      float* __restrict__ partial, int m, int k_tiles, int n_tiles,
+                                                      int splits) {
+  extern __shared__ uint4 ring[];
+  wg_warp<K2, CB, NR, CG>(xh, trellis, partial, m, k_tiles, n_tiles, splits, blockIdx.x * 8 + (threadIdx.x >> 5),
+                          ring);
+}
+
+// acc += A (desc_a: 64 features x 16 k in shared memory) x B (desc_b: NR rows of x), as 64-row wgmmas
+template <int NR>
+__device__ __forceinline__ void wgmma_ss_rows(float (&acc)[NR / 8][4], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (NR == 16) wgmma_ss_n16<0>(acc, desc_a, desc_b);
+  else if constexpr (NR == 32) wgmma_ss_n32<0>(acc, desc_a, desc_b);
+  else {
+    wgmma_ss_n64<0>(acc, desc_a, desc_b);
+    if constexpr (NR >= 128) wgmma_ss_n64<8>(acc, desc_a, desc_b + (8192 >> 4));
+    if constexpr (NR >= 256) {
+      wgmma_ss_n64<16>(acc, desc_a, desc_b + (16384 >> 4));
+      wgmma_ss_n64<24>(acc, desc_a, desc_b + (24576 >> 4));
+    }
+  }
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// four 8x8 fp16 matrices from mma fragments into shared memory, one row address per lane (lanes 8j..8j+7: matrix j)
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3]) : "memory");
+}
+__host__ __device__ constexpr uint64_t sw128_desc_bits() {  // LBO 1 (unused), SBO 1,024 bytes, 128-byte swizzle
+  return (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// ---- warp-specialised decode GEMM (sm_90a): decoding warps feed a wgmma warpgroup through shared memory -----------
+// A block owns 64 output features (4 column strips) x NR rows of x (blockIdx.y) x one K split. Warpgroup 0 only
+// issues wgmmas: per trellis group (4 k-tiles = 64 columns of K, a "stage") four m64nNRk16 MMAs with A = the decoded
+// weights and B = x, both from shared memory (K-major, 128-byte swizzle), accumulating in registers. Warpgroups 1-2
+// (8 warps: strip w % 4, tiles 2 (w / 4) and 2 (w / 4) + 1 of every group) decode their tiles as the other GEMMs do
+// (fragments in registers) and store them with stmatrix into the stage's A tile (64 features x 128 bytes, piece kk of
+// row R at kk ^ (R % 8)), and copy the stage's x rows with cp.async. Stages pass through mbarriers: `full` (the 256
+// decoding threads arrive once their tiles and copies are in) and `empty` (the MMA warpgroup's 128 threads arrive once
+// the wgmmas that read a stage have finished). The decode never waits for the MMAs of its own warp or for the other
+// warps of a warpgroup, which is what made the register-fed form (wg_warp) slower than the mma.sync ring.
+constexpr int kWsStages = 4;
+__host__ __device__ constexpr int ws_stage_bytes(int nr) { return 64 * 128 + nr * 128; }
+__host__ __device__ constexpr int ws_smem(int nr) { return kWsStages * ws_stage_bytes(nr) + 1024; }
+
+template <int K2, int CB, int NR>
+__global__ void __launch_bounds__(384) gemm_ws_kernel(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
+                                                      float* __restrict__ partial, int m, int k_tiles, int n_tiles,
+                                                      int splits) {
+#ifdef EXL3_HAS_WGMMA
+  extern __shared__ uint4 smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kWsStages];  // full[s], then empty[s]
+  constexpr int S = kWsStages, D = kDepth, L = LaneBits<K2>::kLoad, W = words32(K2);
+  constexpr uint32_t stage_bytes = ws_stage_bytes(NR);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int col_blocks = n_tiles / 4, cb = blockIdx.x % col_blocks, split = blockIdx.x / col_blocks;
+  // splits in whole stages (k_tiles % 4 == 0), so every wgmma batch is four k-tiles
+  const int all = k_tiles / D, g0 = (int)((long long)split * all / splits);
+  const int groups = (int)((long long)(split + 1) * all / splits) - g0, kt0 = g0 * D, tiles = groups * D;
+  const int K = k_tiles * 16, N = n_tiles * 16;
+  const int role = __shfl_sync(0xffffffffu, warp >> 2, 0);  // warpgroup index, known warp-uniform
+  const int row0 = blockIdx.y * NR, mb = min(m - row0, NR);
+  const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * S;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full0 + 8 * s, 256);
+      mbar_init(empty0 + 8 * s, 128);
+    }
+  }
+  __syncthreads();
+
+  if (role > 0) {  // decoding warps
+    const int p = warp - 4, strip = p & 3, half = p >> 2, tn = cb * 4 + strip;
+    const LaneBits<K2> bits(lane);
+    const WgFill<NR, 1> filler(xh + (size_t)row0 * K, kt0, threadIdx.x - 128);
+    const uint32_t* lw[L];
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0 + 2 * half) * W + bits.idx[i];
+    // this lane's stmatrix row: matrix j = lane / 8 (rows +8 for j odd, k +8 for j >= 2), row lane % 8
+    const int j = lane >> 3, r = lane & 7, row = strip * 16 + (j & 1) * 8 + r;
+    const uint32_t a_row = row * 128;
+    uint32_t buf[2][2][L];
+    auto load_pair = [&](uint32_t (&b)[2][L], int g) {
+#pragma unroll
+      for (int d = 0; d < 2; ++d) {
+#pragma unroll
+        for (int i = 0; i < L; ++i) b[d][i] = __ldg(lw[i] + (g * D + d) * W);
+      }
+    };
+    auto produce = [&](int g, const uint32_t (&cur)[2][L], uint32_t (&next)[2][L]) {
+      const int s = g % S;
+      if (g >= S) mbar_wait(empty0 + 8 * s, ((g / S) - 1) & 1);
+      const uint32_t stage = base + s * stage_bytes;
+      filler.fill(stage + 64 * 128, g, tiles, mb, K);
+      cp_async_commit();
+      if (g + 1 < groups) load_pair(next, g + 1);
+#pragma unroll
+      for (int d = 0; d < 2; ++d) {
+        const int t = 2 * half + d;  // k-tile inside the stage
+        uint32_t frag[4];
+        bits.template decode<CB>(cur[d], frag);
+        stmatrix_x4(stage + a_row + ((((2 * t + (j >> 1)) ^ r) & 7) << 4), frag);
+      }
+      cp_async_wait<0>();
+      fence_proxy_async();  // the stmatrix and cp.async writes, before wgmma reads them through the async proxy
+      mbar_arrive(full0 + 8 * s);
+    };
+    if (groups > 0) load_pair(buf[0], 0);
+    for (int g = 0; g < groups; g += 2) {
+      produce(g, buf[0], buf[1]);
+      if (g + 1 < groups) produce(g + 1, buf[1], buf[0]);
+    }
+    return;
+  }
+
+  // the MMA warpgroup
+  float acc[NR / 8][4];
+#pragma unroll
+  for (int i = 0; i < NR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  fence_acc<NR / 8>(acc);
+  const uint64_t desc0 = sw128_desc_bits() | (uint64_t)((base & 0x3FFFF) >> 4);
+  for (int g = 0; g < groups; ++g) {
+    const int s = g % S;
+    mbar_wait(full0 + 8 * s, (g / S) & 1);
+    const uint64_t desc_a = desc0 + ((s * stage_bytes) >> 4), desc_b = desc_a + ((64 * 128) >> 4);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < D; ++t) wgmma_ss_rows<NR>(acc, desc_a + 2 * t, desc_b + 2 * t);  // + 32 bytes per k-tile
+    wgmma_commit();
+    wgmma_wait<1>();  // the stage before this one has been read
+    if (g > 0) mbar_arrive(empty0 + 8 * ((g - 1) % S));
+  }
+  wgmma_wait<0>();
+  fence_acc<NR / 8>(acc);
+  store_acc<NR / 8>(partial + ((size_t)split * m + row0) * N + (cb * 4 + warp) * 16, acc, mb, N, lane);
+#else
+  __trap();
+#endif
+}
+
+// Writes 1 where this library's code for the running GPU has the wgmma kernels (built for sm_90a), else 0.
+__global__ void wgmma_probe_kernel(int* out) {
+#ifdef EXL3_HAS_WGMMA
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
 // ---- groups of sources: one launch per stage for all of them -----------------------------------------
 // Same-input groups (q/k/v, gate/up): every source reads rows [0, m) of x; the table is built once per layer
 // at load. Routed-expert groups (MoE): one source per (token, expert) pair with m = 1, reading x row `x_row`,
@@ -1451,6 +1876,20 @@ __global__ void __launch_bounds__(KW * 32) gemm_group_ring_kernel(const half* __
   }
 }
 
+// A group through the wgmma ring (every source's items a multiple of 8, as for the ring); partials only.
+template <int K2, int CB, int NR, int CG>
+__global__ void __launch_bounds__(256) gemm_group_wg_kernel(const half* __restrict__ xh_all,
+                                                            const GroupSource* __restrict__ srcs, int num,
+                                                            float* __restrict__ partial, int m, int k_tiles,
+                                                            int total_items) {
+  extern __shared__ uint4 ring[];
+  int s, local;
+  if (!group_work(srcs, num, blockIdx.x * 8 + (threadIdx.x >> 5), total_items, s, local)) return;
+  const GroupSource& src = srcs[s];
+  wg_warp<K2, CB, NR, CG>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m, m,
+                          k_tiles, src.n_tiles, src.splits, local, ring);
+}
+
 // Block (pair p, 64 columns jb, role, split): grid pairs * (inter / 64) * 2 * gu_splits, kWarps warps.
 template <int K2, int CB, typename T>
 __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArgs a) {
@@ -1710,6 +2149,80 @@ int launch_variant_gemm_group_ring(const half* xh_all, const GroupSource* srcs, 
                      counters, out, out_bf16, total_cols);
 }
 
+// wgmma ring kernels: wg_rows(m) rows per block (blockIdx.y); mode 91 / 92 = one / two trellis groups per chunk (256
+// rows: always one, which is 128 KB of ring). Refused (-1) unless exl3_wgmma_available() found them in this build.
+static int g_wgmma = -1;  // exl3_wgmma_available()'s answer; -1 before it ran
+constexpr int kMaxWgSmem = 129 << 10;
+template <typename KernelOf, typename... Args>
+int launch_wg(int m, int mode, int grid_x, cudaStream_t stream, KernelOf kernel_of, Args... args) {
+  if (g_wgmma != 1) return -1;
+  const int nr = wg_rows(m);
+  const dim3 grid(grid_x, (m + nr - 1) / nr);
+  auto go = [&](auto rows, auto cg) -> int {
+    constexpr int NR = decltype(rows)::value, CG = decltype(cg)::value, smem = wg_smem(NR, CG);
+    static_assert(smem <= kMaxWgSmem, "wgmma ring too large");
+    auto kernel = kernel_of(rows, cg);
+    if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<grid, 256, smem, stream>>>(args...);
+    return (int)cudaGetLastError();
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  auto with_cg = [&](auto rows) -> int { return mode == 92 ? go(rows, Two{}) : go(rows, One{}); };
+  switch (nr) {
+    case 16: return with_cg(std::integral_constant<int, 16>{});
+    case 32: return with_cg(std::integral_constant<int, 32>{});
+    case 64: return with_cg(std::integral_constant<int, 64>{});
+    case 128: return with_cg(std::integral_constant<int, 128>{});
+    default: return go(std::integral_constant<int, 256>{}, One{});
+  }
+}
+
+// the warp-specialised form: blocks of 64 columns x wg_rows(m) rows x one K split, 12 warps
+template <int K2, int CB>
+int launch_variant_gemm_ws(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt, int splits,
+                           cudaStream_t stream) {
+  if (g_wgmma != 1) return -1;
+  if (nt % 4 || kt % 4 || splits > kt / 4) return -3;
+  const int nr = wg_rows(m);
+  const dim3 grid(nt / 4 * splits, (m + nr - 1) / nr);
+  auto go = [&](auto rows) -> int {
+    constexpr int NR = decltype(rows)::value, smem = ws_smem(NR);
+    auto kernel = gemm_ws_kernel<K2, CB, NR>;
+    if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<grid, 384, smem, stream>>>(xh, trellis, partial, m, kt, nt, splits);
+    return (int)cudaGetLastError();
+  };
+  switch (nr) {
+    case 16: return go(std::integral_constant<int, 16>{});
+    case 32: return go(std::integral_constant<int, 32>{});
+    case 64: return go(std::integral_constant<int, 64>{});
+    case 128: return go(std::integral_constant<int, 128>{});
+    default: return go(std::integral_constant<int, 256>{});
+  }
+}
+
+template <int K2, int CB>
+int launch_variant_gemm_wg(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt, int splits,
+                           int mode, cudaStream_t stream) {
+  if (mode == 93) return launch_variant_gemm_ws<K2, CB>(xh, trellis, partial, m, kt, nt, splits, stream);
+  if (nt % 8) return -3;
+  auto kernel_of = [](auto rows, auto cg) {
+    return gemm_wg_kernel<K2, CB, decltype(rows)::value, decltype(cg)::value>;
+  };
+  return launch_wg(m, mode, nt * splits / 8, stream, kernel_of, xh, trellis, partial, m, kt, nt, splits);
+}
+
+template <int K2, int CB>
+int launch_variant_gemm_group_wg(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
+                                 int total_items, int mode, cudaStream_t stream) {
+  if (total_items % 8) return -3;
+  auto kernel_of = [](auto rows, auto cg) {
+    return gemm_group_wg_kernel<K2, CB, decltype(rows)::value, decltype(cg)::value>;
+  };
+  return launch_wg(m, mode, total_items / 8, stream, kernel_of, xh_all, srcs, num, partial, m, kt, total_items);
+}
+
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
 template <int K2, int CB>
 int launch_variant_gemm_group_xs(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
@@ -1817,6 +2330,13 @@ int launch_variant_decode_dn(const MoeDecodeArgs& a, int pdl, cudaStream_t strea
   case (K2) * 4 + (CB): return CALL<K2, CB> ARGS;
 #define EXL3_CASE3(K2, CALL, ARGS) \
   EXL3_CASE1(K2, 0, CALL, ARGS) EXL3_CASE1(K2, 1, CALL, ARGS) EXL3_CASE1(K2, 2, CALL, ARGS)
+#ifdef EXL3_DEV_4BIT_MCG  // kernel development: only 4-bit MCG, built in a fraction of the time (never shipped)
+#define EXL3_DISPATCH(K2V, CBV, CALL, ARGS) \
+  switch ((K2V) * 4 + (CBV)) {              \
+    EXL3_CASE1(8, 1, CALL, ARGS)            \
+    default: return -1;                     \
+  }
+#else
 #define EXL3_DISPATCH(K2V, CBV, CALL, ARGS)                                                              \
   switch ((K2V) * 4 + (CBV)) {                                                                           \
     EXL3_CASE3(2, CALL, ARGS) EXL3_CASE3(4, CALL, ARGS) EXL3_CASE3(6, CALL, ARGS)                        \
@@ -1825,6 +2345,7 @@ int launch_variant_decode_dn(const MoeDecodeArgs& a, int pdl, cudaStream_t strea
     EXL3_CASE1(3, 2, CALL, ARGS) EXL3_CASE1(5, 2, CALL, ARGS) EXL3_CASE1(7, 2, CALL, ARGS)               \
     default: return -1;                                                                                  \
   }
+#endif
 
 }  // namespace
 
@@ -1884,11 +2405,14 @@ int exl3_gemm_partial_xs(const void* xh, const void* trellis, void* partial, int
 // splits.
 int exl3_gemm_partial_ring(const void* xh, const void* trellis, void* partial, int m, int k_tiles, int n_tiles,
                            int splits, int k2, int codebook, int mode, void* stream) {
-  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles || !ring_mode_ok(mode)) return -3;
+  if (m <= 0 || k_tiles <= 0 || n_tiles <= 0 || splits <= 0 || splits > k_tiles ||
+      !(ring_mode_ok(mode) || wg_mode_ok(mode)))
+    return -3;
   auto s = (cudaStream_t)stream;
   auto x = (const half*)xh;
   auto t = (const uint32_t*)trellis;
   auto p = (float*)partial;
+  if (wg_mode_ok(mode)) EXL3_DISPATCH(k2, codebook, launch_variant_gemm_wg, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm_ring, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
 }
 
@@ -1941,7 +2465,7 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
                       int y_bf16, int m, int k_tiles, int total_items, int total_cols, int k2, int codebook,
                       int xs_slice, int ring_mode, void* counters, long long counters_len, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
-  const bool ring = ring_mode_ok(ring_mode);
+  const bool ring = ring_mode_ok(ring_mode), wg = wg_mode_ok(ring_mode);
   // the ring's output rotation in its own launch needs a counter per 64-row block and 128 columns
   if (counters != nullptr && (!ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
                                                           (total_cols / 128)))
@@ -1955,6 +2479,9 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   float* p = (float*)partial;
   int* c = (int*)counters;
   int code = [&]() -> int {
+    if (wg)
+      EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_wg, (xh, srcs, num, p, m, k_tiles, total_items, ring_mode,
+                                                                 s))
     if (ring)
       EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_ring, (xh, srcs, num, p, m, k_tiles, total_items,
                                                                    ring_mode, c, out, y_bf16, total_cols, s))
@@ -2183,7 +2710,23 @@ long long exl3_set_octet_min_items(long long items) {
   return before;
 }
 
-int exl3_abi_version(void) { return 18; }
+// 1 where this build has the wgmma ring kernels for the current GPU (compiled for sm_90a and running on it), else 0;
+// below -1000: -1000 - a CUDA error. Runs a probe kernel and synchronizes, so call it outside graph capture; the wgmma ring
+// modes are refused until it has answered 1.
+int exl3_wgmma_available(void) {
+  int* flag = nullptr;
+  int got = 0;
+  cudaError_t e = cudaMalloc(&flag, sizeof(int));
+  if (e != cudaSuccess) return -1000 - (int)e;
+  wgmma_probe_kernel<<<1, 1>>>(flag);
+  e = cudaMemcpy(&got, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  cudaFree(flag);
+  if (e != cudaSuccess) return -1000 - (int)e;
+  g_wgmma = got;
+  return got;
+}
+
+int exl3_abi_version(void) { return 19; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
