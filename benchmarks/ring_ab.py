@@ -89,8 +89,8 @@ def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook]) -
 GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336))}  # Llama-3-8B
 
 
-def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]:
-    """A same-input group as a layer runs it today (exl3::gemm_group's choice) against its ring launch."""
+def group_sets(name: str, bits: int, cb: Codebook) -> tuple[int, tuple[int, ...], int, list, torch.Generator]:
+    """K, widths, copies (more than L2 between them), the copies' (tiles, suh, svh, group) and the input generator."""
     k, widths = GROUPS[name]
     copies = max(2, min(48, -(-(150 << 20) // (k * sum(widths) * bits // 8))))
     gen = torch.Generator().manual_seed(bits)
@@ -101,6 +101,12 @@ def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]
         suh = [(torch.randn(k, generator=gen) * 0.05).half().cuda() for _ in widths]
         svh = [(torch.randn(n, generator=gen) * 0.05).half().cuda() for n in widths]
         sets.append((tiles, suh, svh, ck.make_group(tiles, suh, svh, cb)))
+    return k, widths, copies, sets, gen
+
+
+def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]:
+    """A same-input group as a layer runs it today (exl3::gemm_group's choice) against its ring launch."""
+    k, widths, copies, sets, gen = group_sets(name, bits, cb)
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen).half().cuda()
@@ -131,23 +137,33 @@ def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]
     return rows
 
 
-def main() -> int:
+def ab_args(shapes: str, ms: str) -> tuple[argparse.Namespace, list[int], list[Codebook]]:
+    """The A/B scripts' command line (--shapes, --ms, --bits, --codebooks, --groups) with these defaults, parsed."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="4096x14336,14336x4096,4096x4096,4096x1024")
-    ap.add_argument("--ms", default="1,8,16,32,64,128")
+    ap.add_argument("--shapes", default=shapes)
+    ap.add_argument("--ms", default=ms)
     ap.add_argument("--bits", default="4")
     ap.add_argument("--codebooks", default="mcg")
     ap.add_argument("--groups", default="qkv,gate_up", help="Llama-3-8B same-input groups ('' for none)")
     args = ap.parse_args()
-    ck.load_library(build=True)
-    ms = [int(v) for v in args.ms.split(",")]
-    cbs = [Codebook.from_label(c) for c in args.codebooks.split(",")]
+    return args, [int(v) for v in args.ms.split(",")], [Codebook.from_label(c) for c in args.codebooks.split(",")]
+
+
+def over_shapes(args: argparse.Namespace, bench) -> list[dict]:
+    """bench(k, n, bits) for every shape and bitrate of the command line, rows in order."""
     rows = []
     for shape in filter(None, args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         for bits in (int(b) for b in args.bits.split(",")):
-            rows += bench_shape(k, n, bits, ms, cbs)
+            rows += bench(k, n, bits)
             torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    args, ms, cbs = ab_args("4096x14336,14336x4096,4096x4096,4096x1024", "1,8,16,32,64,128")
+    ck.load_library(build=True)
+    rows = over_shapes(args, lambda k, n, bits: bench_shape(k, n, bits, ms, cbs))
     dyn = sorted({c for r in rows for c in r if c.startswith("ring") and c.count("_s") == 1 and c[4].isdigit()},
                  key=lambda c: (int(c[4:6]), int(c.split("_s")[1][:-3])))
     cols = ["k", "n", "m", "bits", "codebook", "bf16_us", "policy_us", "ring_best_us", "ring_best", "ring_gemm_us",

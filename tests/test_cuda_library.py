@@ -330,16 +330,19 @@ def test_rotation_form_knob_is_applied_when_the_library_loads(compiled_library, 
 
 
 def test_ring_mode_takes_the_wgmma_ring_where_it_is_ready(monkeypatch):
-    """The ring's mode by m: the wgmma ring (92 up to 128 rows, 91 above) where the library's probe found it, else
-    the mma.sync ring (82 up to 32 rows, 81 above); pinned_wgmma and SGLANG_EXL3_WGMMA=off turn it off for A/B."""
+    """The ring's mode by m: the wgmma ring (91) from WG_MIN_M rows where the library's probe found it, up to
+    WG_MAX_M rows, else the mma.sync ring (82 up to 32 rows, 81 above, up to RING_MAX_M rows); pinned_wgmma and
+    SGLANG_EXL3_WGMMA=off turn it off for A/B."""
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(ck._WGMMA, 0, True)
-    assert [ck.ring_mode(m, dev) for m in (16, 64, 128, 129, 256)] == [92, 92, 92, 91, 91]
+    assert [ck.ring_mode(m, dev) for m in (16, 32, 33, 128, 256)] == [82, 82, 91, 91, 91]
+    assert [ck.uses_ring(m, 8, dev) for m in (15, 16, 256, 257)] == [False, True, True, False]
     with ck.pinned_wgmma(False):
         assert [ck.ring_mode(m, dev) for m in (16, 32, 33, 128)] == [82, 82, 81, 81]
+        assert [ck.uses_ring(m, 8, dev) for m in (128, 129)] == [True, False]
         with ck.pinned_wgmma(True):
-            assert ck.ring_mode(64, dev) == 92
+            assert ck.ring_mode(64, dev) == 91
     monkeypatch.setenv("SGLANG_EXL3_WGMMA", "off")
     ck._wgmma_knob.cache_clear()
     try:
@@ -347,7 +350,22 @@ def test_ring_mode_takes_the_wgmma_ring_where_it_is_ready(monkeypatch):
     finally:
         monkeypatch.delenv("SGLANG_EXL3_WGMMA")
         ck._wgmma_knob.cache_clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    group = ck.Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 16, 8, 128, 0, 8, 16], 1)
+    assert [group.runs_fused(m) for m in (16, 64, 65, 256)] == [True, True, False, False]  # then source by source
+    with ck.pinned_wgmma(False):
+        assert [group.runs_fused(m) for m in (65, 128, 129)] == [True, True, False]
     monkeypatch.setitem(ck._WGMMA, 0, False)
     assert ck.ring_mode(64, dev) == 81
     rows = [ck.wg_block_rows(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 300)]
     assert rows == [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
+
+
+def test_wgmma_ring_splits_follow_the_measured_cells(monkeypatch):
+    """The wgmma ring's split count (ring_splits): half of default_splits up to 64 rows, a quarter above, default_splits
+    where that leaves fewer blocks than half the SMs (the fastest measured cells on the H100's 132 SMs, wgmma-ab)."""
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    got = {shape: [ck.ring_splits(m, *shape, dev, 91) for m in (48, 64, 96, 256)]
+           for shape in ((256, 896), (896, 256), (256, 64))}  # K/16, N/16: 4096 x 14336, 14336 x 4096, 4096 x 1024
+    assert got == {(256, 896): [3, 3, 1, 1], (896, 256): [8, 8, 4, 4], (256, 64): [16, 16, 16, 16]}

@@ -113,9 +113,9 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request)
     call(64, long_slice)  # the ring streams x: no slice to fit
     assert ran == [("group", 81)]
     ran.clear()
-    request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh
+    request.addfinalizer(ck.fused_max_m_knob.cache_clear)  # read once per process: the next test reads afresh
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
-    ck.fused_crossover_m.cache_clear()
+    ck.fused_max_m_knob.cache_clear()
     for m in (32, 33):
         assert tuple(call(m).shape) == (m, 640)
     assert ran == [("group", 82)] + ["linear"] * 3
@@ -134,7 +134,7 @@ def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
     monkeypatch.setattr(ck, "gemm_rotated_partial", lambda xh, tiles, cb, splits, xs=None, ring=0: (
         calls.append((xh.shape[0], ring, splits)), torch.zeros(1, xh.shape[0], tiles.shape[0] * 16))[1])
     monkeypatch.setattr(ck, "reconstruct", lambda tiles, cb, cols, out: calls.append((out.shape, "reconstruct")))
-    monkeypatch.setattr(ck, "fused_crossover_m", lambda: 128)
+    monkeypatch.setattr(ck, "fused_crossover_m", lambda device=None: 128)
     monkeypatch.setattr(ck, "_sm_count", lambda index: 6)
     tiles = torch.zeros(16, 16, 64, dtype=torch.int16)  # N = 256: 16 column tiles
     suh, svh = torch.zeros(256).half(), torch.zeros(256).half()

@@ -59,8 +59,9 @@ def test_backend_resolution_on_cpu(monkeypatch):
 
 
 def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypatch, request):
-    """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover, at most the x ring's 128 rows, and what the
-    dense dispatch (cuda_trellis.fused_crossover_m, used by exl3_linear and exl3::gemm_group) reads."""
+    """SGLANG_EXL3_FUSED_MAX_M: default = the kernels' crossover (the mma.sync ring's, or the wgmma ring's where it
+    serves), at most the mma.sync ring's 128 rows, and what the dense dispatch (cuda_trellis.fused_crossover_m, used
+    by exl3_linear and exl3::gemm_group) reads."""
     from sglang_exl3.kernels import cuda_trellis as ck
 
     assert knobs.validate_all({})["FUSED_MAX_M"] == ck.FUSED_CROSSOVER_M <= ck.RING_MAX_M
@@ -68,10 +69,18 @@ def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypat
         knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "129"})
     with pytest.raises(KnobError, match="SGLANG_EXL3_FUSED_MAX_M must be positive, got 0"):
         knobs.validate_all({"SGLANG_EXL3_FUSED_MAX_M": "0"})
-    request.addfinalizer(ck.fused_crossover_m.cache_clear)  # read once per process: the next test reads afresh
+    request.addfinalizer(ck.fused_max_m_knob.cache_clear)  # read once per process: the next test reads afresh
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
-    ck.fused_crossover_m.cache_clear()
+    ck.fused_max_m_knob.cache_clear()
     assert ck.fused_crossover_m() == 32
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", " ")
-    ck.fused_crossover_m.cache_clear()
-    assert ck.fused_crossover_m() == ck.FUSED_CROSSOVER_M
+    ck.fused_max_m_knob.cache_clear()
+    assert ck.fused_crossover_m() == ck.FUSED_CROSSOVER_M  # no GPU here: no wgmma ring, the mma.sync crossover
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(ck._WGMMA, 0, True)
+    assert ck.fused_crossover_m(torch.device("cuda", 0)) == ck.WG_MAX_M  # the wgmma ring's own crossover
+    monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "64")
+    ck.fused_max_m_knob.cache_clear()
+    assert ck.fused_crossover_m(torch.device("cuda", 0)) == 64  # a set knob caps it

@@ -472,9 +472,16 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
 
 RING_MODES = (81, 82)  # x-ring GEMM: warps per block (8) * 10 + trellis groups per x chunk (1, 2)
 # The x ring on Hopper's warpgroup MMA (sm_90a builds), decoding the weights once per block of wg_block_rows(m) rows
-# (up to 256): 91 / 92 wgmma fed from registers (one / two trellis groups per x chunk), 93 warp-specialised (decoding
-# warps feed a wgmma warpgroup through shared memory; K % 64 == 0, at most K / 64 splits).
-WG_MODES = (91, 92, 93)
+# (up to 256), wgmma fed from registers: 90 + trellis groups per x chunk. H100, wgmma-ab (4096 x 14336 and
+# 14336 x 4096, whole linear, 4 bits): 0.88-1.04x the mma.sync ring at 16-32 rows, 1.05-1.10x at 64, 1.42-1.49x at
+# 128 and 1.27-1.48x against reconstruct + cuBLAS at 256; mode 91 the faster at 64 rows and above. So it serves
+# WG_MIN_M..WG_MAX_M rows where the build has it (wgmma_ready).
+WG_MODES = (91, 92)
+WG_MIN_M, WG_MAX_M = 33, 256
+# A group's launch runs at its load-time splits, which the wgmma ring measured slow with above 64 rows (gate/up
+# 162 µs at 128 rows against 2 x 61 for its two sources alone, which take a quarter of default_splits there): above
+# this a group on the wgmma ring runs source by source.
+WG_GROUP_MAX_M = 64
 _WGMMA: dict[int, bool] = {}  # the library's probe, per device index
 _WGMMA_PIN: list[bool] = []  # pinned_wgmma's stack
 
@@ -516,16 +523,17 @@ def wg_block_rows(m: int) -> int:
 
 
 def ring_mode(m: int, device: torch.device | None = None) -> int:
-    """The ring's mode for m rows. The wgmma ring where wgmma_ready(), else 8 warps per block, x in chunks of two
-    trellis groups up to 32 rows and of one above (ring-ab-h200: with ring_splits, the fastest measured cell at 32
-    and 64 rows on all four shapes, within 4% at 16 and 128)."""
-    if wgmma_ready(device):
-        return 92 if m <= 128 else 91
+    """The ring's mode for m rows: the wgmma ring (91) from WG_MIN_M rows where wgmma_ready(), else the mma.sync ring
+    (mma_ring_mode)."""
+    if m >= WG_MIN_M and wgmma_ready(device):
+        return 91
     return mma_ring_mode(m)
 
 
 def mma_ring_mode(m: int) -> int:
-    """The mma.sync ring's mode for m rows (see ring_mode)."""
+    """The mma.sync ring's mode for m rows: 8 warps per block, x in chunks of two trellis groups up to 32 rows and of
+    one above (ring-ab-h200: with ring_splits, the fastest measured cell at 32 and 64 rows on all four shapes, within
+    4% at 16 and 128)."""
     return 82 if m <= 32 else 81
 
 
@@ -533,18 +541,26 @@ def ring_splits(m: int, k_tiles: int, n_tiles: int, device: torch.device, mode: 
     """Half of default_splits, rounded up, unless that leaves fewer ring blocks than SMs (then default_splits): a
     ring block serves 8 column strips of one 64-row block, and fewer, longer K splits write fewer partials
     (ring-ab-h200: the best of {half, default, double} at m = 16-128 on 4096 x 14336, 14336 x 4096 and 4096 x 4096;
-    on 4096 x 1024 half gives 64 blocks and default_splits is up to 21% faster)."""
+    on 4096 x 1024 half gives 64 blocks and default_splits is up to 21% faster). The wgmma ring: half up to 64 rows
+    and a quarter above (wgmma-ab, H100: the fastest of {1, quarter, half, default} at 64-256 rows on 4096 x 14336
+    and 14336 x 4096, where a block of 128-256 rows has the most work per tile), unless that leaves fewer blocks than
+    half the SMs (then default_splits: 4096 x 1024 at 48-256 rows, 1.02-1.08x the best other count)."""
     base = default_splits(k_tiles, n_tiles, device)
     half = max(1, -(-base // 2))
     mode = ring_mode(m, device) if mode is None else mode
-    block_rows = wg_block_rows(m) if mode in WG_MODES else RING_BLOCK_ROWS
-    blocks = n_tiles * half // 8 * -(-m // block_rows)
+    if mode in WG_MODES:
+        chosen = half if m <= 64 else max(1, base // 4)
+        blocks = n_tiles // 8 * chosen * -(-m // wg_block_rows(m))
+        return chosen if 2 * blocks >= _sm_count(device.index or 0) else base
+    blocks = n_tiles * half // 8 * -(-m // RING_BLOCK_ROWS)
     return half if blocks >= _sm_count(device.index or 0) else base
 
 
-def uses_ring(m: int, n_tiles: int) -> bool:
-    """Whether m rows of a linear (or of every source of a group) with N = 16 n_tiles take the x-ring GEMM."""
-    return RING_MIN_M <= m <= RING_MAX_M and n_tiles % 8 == 0
+def uses_ring(m: int, n_tiles: int, device: torch.device | None = None) -> bool:
+    """Whether m rows of a linear (or of every source of a group) with N = 16 n_tiles take the x-ring GEMM: up to
+    WG_MAX_M rows where the wgmma ring serves, else RING_MAX_M."""
+    most = WG_MAX_M if m > RING_MAX_M and wgmma_ready(device) else RING_MAX_M
+    return RING_MIN_M <= m <= most and n_tiles % 8 == 0
 
 
 def _check_ring(mode: int, n_tiles: int) -> None:
@@ -564,10 +580,19 @@ def _gemm_ring(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebook, splits
 
 
 @cache
-def fused_crossover_m() -> int:
-    """The most rows a dense linear runs on the fused GEMM: SGLANG_EXL3_FUSED_MAX_M, else FUSED_CROSSOVER_M. Read
-    once per process (validated at startup; parsing the environment per linear call cost ~2 µs on the eager path)."""
-    return knobs.get("FUSED_MAX_M")
+def fused_max_m_knob() -> int | None:
+    """SGLANG_EXL3_FUSED_MAX_M where it is set, else None. Read once per process (validated at startup; parsing the
+    environment per linear call cost ~2 µs on the eager path)."""
+    return knobs.get("FUSED_MAX_M") if os.environ.get(knobs.KNOBS["FUSED_MAX_M"].env, "").strip() else None
+
+
+def fused_crossover_m(device: torch.device | None = None) -> int:
+    """The most rows a dense linear runs on the fused GEMM: SGLANG_EXL3_FUSED_MAX_M where set, else WG_MAX_M where the
+    wgmma ring serves, else FUSED_CROSSOVER_M."""
+    knob = fused_max_m_knob()
+    if knob is not None:
+        return knob
+    return WG_MAX_M if wgmma_ready(device) else FUSED_CROSSOVER_M
 
 
 def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
@@ -581,12 +606,12 @@ def exl3_linear(x: torch.Tensor, tiles: torch.Tensor, suh: torch.Tensor, svh: to
     vs 107 µs at m = 256 and 0.94-1.06x at m = 2048, benchmarks/results/prefill-h200.md)."""
     m = x.shape[0]
     if fused_max_m is None:
-        fused_max_m = fused_crossover_m()
+        fused_max_m = fused_crossover_m(x.device)
     xh = had_in(x.contiguous(), suh)
     xs, ring = None, 0
     if path is None:
         path = "fused" if m <= fused_max_m else "reconstruct_staged"
-        if path == "fused" and not splits and uses_ring(m, tiles.shape[0]):
+        if path == "fused" and not splits and uses_ring(m, tiles.shape[0], x.device):
             ring = ring_mode(m, x.device)
             splits = ring_splits(m, tiles.shape[1], tiles.shape[0], x.device, ring)
         elif path == "fused" and not splits:  # decided once here: 33-64 rows pay only with x in shared memory
@@ -666,12 +691,15 @@ class Exl3Group:
 
     def runs_fused(self, m: int) -> bool:
         """Whether m rows run as this group's one fused launch: up to fused_crossover_m(); through the x ring from
-        RING_MIN_M rows; otherwise above GLOBAL_LOADS_MAX_M only where x can be staged (its splits are fixed at load;
-        a gate/up group with long K slices cannot stage 64 rows). Otherwise each source runs as a single linear, by
-        the single-linear policy."""
+        RING_MIN_M rows (the wgmma ring up to WG_GROUP_MAX_M); otherwise above GLOBAL_LOADS_MAX_M only where x can be
+        staged (its splits are fixed at load; a gate/up group with long K slices cannot stage 64 rows). Otherwise
+        each source runs as a single linear, by the single-linear policy."""
         if m > fused_crossover_m():
             return False
-        return bool(self.ring_mode(m)) or (m <= GLOBAL_LOADS_MAX_M or self.xs_slice(m) > 0)
+        ring = self.ring_mode(m)
+        if ring in WG_MODES:
+            return m <= WG_GROUP_MAX_M
+        return bool(ring) or (m <= GLOBAL_LOADS_MAX_M or self.xs_slice(m) > 0)
 
     def ring_mode(self, m: int) -> int:
         """The x-ring mode for m rows, 0 where the ring does not serve them (every source's N is a multiple of 128,

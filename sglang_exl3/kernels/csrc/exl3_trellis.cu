@@ -551,6 +551,31 @@ __device__ __forceinline__ void mma_16816_free(float (&c)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A lane's stream of trellis words down its column strip's K slice (kernel layout [n_tiles, k_tiles, W]: one
+// contiguous run per strip): load(buf, count) reads the next `count` tiles' words at LaneBits' indexes into
+// buf[0..count) (immediate offsets d * W from one pointer per word) and advances.
+template <int K2>
+struct TileStream {
+  static constexpr int L = LaneBits<K2>::kLoad, W = words32(K2);
+  const uint32_t* lw[L];
+
+  __device__ __forceinline__ TileStream(const uint32_t* __restrict__ trellis, const LaneBits<K2>& bits, size_t tile0) {
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] = trellis + tile0 * W + bits.idx[i];
+  }
+
+  template <typename Buf>
+  __device__ __forceinline__ void load(Buf& buf, int count) {
+#pragma unroll
+    for (int d = 0; d < count; ++d) {
+#pragma unroll
+      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
+    }
+#pragma unroll
+    for (int i = 0; i < L; ++i) lw[i] += count * W;
+  }
+};
+
 // This thread's share of the block's ring copies: a fixed 16-byte column c of the chunk and rows r0, r0 + step, ..
 // (a pass of the block's threads covers `step` rows), so a chunk costs one add and one cp.async per piece.
 template <int MT, int CG, int KW>
@@ -600,18 +625,8 @@ __device__ __forceinline__ void ring_warp(const half* __restrict__ xh, const uin
   const LaneBits<K2> bits(lane);
   const RingFill<MT, CG, KW> filler(xh + (size_t)row0 * K, kt0);
 
-  const uint32_t* lw[L];
-#pragma unroll
-  for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
-  auto load_tiles = [&](auto& buf, int count) {
-#pragma unroll
-    for (int d = 0; d < count; ++d) {
-#pragma unroll
-      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
-    }
-#pragma unroll
-    for (int i = 0; i < L; ++i) lw[i] += count * W;
-  };
+  TileStream<K2> words(trellis, bits, (size_t)tn * k_tiles + kt0);
+  auto load_tiles = [&](auto& buf, int count) { words.load(buf, count); };
 
   // this lane's ldmatrix address in slot 0: row (lane % 8) (+ 8 for lanes 16..31), k half lane / 8 % 2
   const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
@@ -687,20 +702,21 @@ __global__ void __launch_bounds__(KW * 32) gemm_ring_kernel(const half* __restri
 
 
 // ---- the x-ring GEMM on Hopper's warpgroup MMA (sm_90a) --------------------------------------------------------
-// The ring GEMM at 64 rows spends ~40 of its ~86 warp instructions per tile on 8 mma.sync and 4 ldmatrix: the row
-// count's share. Here each warpgroup (4 warps = 4 column strips = 64 output features) issues one wgmma per k-tile
-// and 64 rows of x: A = the decoded fragments, straight from registers (the wgmma A fragment of a warp's 16 rows is
-// the mma.m16n8k16 A fragment), B = x^T from shared memory. The decode is the same per tile at any row count, so a
-// tile costs ~the m = 1 decode up to 256 rows. wgmma is asynchronous: a tile's decode overlaps the previous tile's
-// MMA (two fragment buffers, at most one wgmma in flight when the next decode starts).
+// The ring GEMM at 64 rows spends ~40 of its ~86 warp instructions per tile on 8 mma.sync and 4 ldmatrix, and decodes
+// the weights again per 64 rows. Here each warpgroup (4 warps = 4 column strips = 64 output features) issues one
+// wgmma per k-tile and 64 rows of x: A = the decoded fragments, straight from registers (the wgmma A fragment of a
+// warp's 16 rows is the mma.m16n8k16 A fragment), B = x^T from shared memory; a block of NR rows (16-256) decodes
+// the weights once. wgmma is asynchronous: a trellis group's MMAs run while the next group is decoded.
 //
 // x arrives as in the ring (cp.async chunks of CG trellis groups), laid out as wgmma's K-major 128-byte-swizzled
 // canonical layout: per 64 columns of K ("atom"), a row of x is 128 bytes whose 16-byte pieces are permuted by the
 // row's low 3 bits (piece kk at kk ^ (row % 8)); rows 128 bytes apart (SBO = 1024 per 8 rows), atoms NR * 128 bytes
-// apart; a k16 tile starts 32 bytes into its atom. Four slots; chunk c + 2 is copied while chunk c is read, so the slot being
-// refilled was last read two chunks back, which every warp's wgmma has finished (each waits for all but its latest).
-// Partials as the ring's ([splits, m, N] fp32), not bit-identical to it: the tensor cores sum a k16 step in another
-// order.
+// apart; a k16 tile starts 32 bytes into its atom. (The unswizzled layout, 8x8 core matrices of 128 contiguous
+// bytes, measured 0.74-0.88x the mma.sync ring at 8-64 rows and 3.8x bf16's time at 2,048; swizzled, 1.1-1.5x the
+// ring at 64-256 rows: wgmma-ab.) Four slots; chunk c + 2 is copied while chunk c is read, so the slot being refilled
+// was last read two chunks back, which every warp's wgmma has finished (each waits for all but its latest batch).
+// Partials as the ring's ([splits, m, N] fp32); they measured equal to the mma.sync ring's bit for bit, but the
+// tensor cores' summation order inside a k16 step is not specified, so the tests allow fp32 rounding.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define EXL3_HAS_WGMMA 1
 #endif
@@ -709,8 +725,7 @@ constexpr int kWgStages = 4;
 __host__ __device__ constexpr int wg_slot_bytes(int nr, int cg) { return nr * cg * kDepth * 32; }
 // + 1 KB to align the ring to the swizzle pattern's 1,024 bytes
 __host__ __device__ constexpr int wg_smem(int nr, int cg) { return kWgStages * wg_slot_bytes(nr, cg) + 1024; }
-// 91 / 92: wgmma fed from registers, one / two trellis groups per x chunk; 93: the warp-specialised form
-inline bool wg_mode_ok(int mode) { return mode == 91 || mode == 92 || mode == 93; }
+inline bool wg_mode_ok(int mode) { return mode == 91 || mode == 92; }  // 9x: wgmma, x trellis groups per chunk
 // rows of x per block (blockIdx.y): the wgmma N, 16 to 256
 inline int wg_rows(int m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : m <= 128 ? 128 : 256; }
 
@@ -747,44 +762,14 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[MT][4], const uint32_t (&a)
         EXL3_ACC4(d, B + 4), EXL3_ACC4(d, B + 5), EXL3_ACC4(d, B + 6), EXL3_ACC4(d, B + 7)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-template <int B, int MT>  // rows 8B .. 8B + 15 of the accumulators; A and B from shared memory
-__device__ __forceinline__ void wgmma_ss_n16(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7"
-      "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1)
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-template <int B, int MT>  // rows 8B .. 8B + 31 of the accumulators; A and B from shared memory
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3)
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
-template <int B, int MT>  // rows 8B .. 8B + 63 of the accumulators; A and B from shared memory
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[MT][4], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : EXL3_ACC4(d, B + 0), EXL3_ACC4(d, B + 1), EXL3_ACC4(d, B + 2), EXL3_ACC4(d, B + 3),
-        EXL3_ACC4(d, B + 4), EXL3_ACC4(d, B + 5), EXL3_ACC4(d, B + 6), EXL3_ACC4(d, B + 7)
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
 #undef EXL3_ACC4
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // cp.async writes through the generic proxy, wgmma reads through the async proxy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // keeps the compiler from touching accumulators across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand)
@@ -863,18 +848,8 @@ __device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint3
   const LaneBits<K2> bits(lane);
   const WgFill<NR, CG> filler(xh + (size_t)row0 * K, kt0, threadIdx.x);
 
-  const uint32_t* lw[L];
-#pragma unroll
-  for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0) * W + bits.idx[i];
-  auto load_tiles = [&](auto& buf, int count) {
-#pragma unroll
-    for (int d = 0; d < count; ++d) {
-#pragma unroll
-      for (int i = 0; i < L; ++i) buf[d][i] = __ldg(lw[i] + d * W);
-    }
-#pragma unroll
-    for (int i = 0; i < L; ++i) lw[i] += count * W;
-  };
+  TileStream<K2> words(trellis, bits, (size_t)tn * k_tiles + kt0);
+  auto load_tiles = [&](auto& buf, int count) { words.load(buf, count); };
 
   const uint32_t ring0 = ((uint32_t)__cvta_generic_to_shared(ring) + 1023u) & ~1023u;
   // descriptor: start address >> 4 (bits 0-13), LBO >> 4 (16-29; unused when swizzled: 1), SBO >> 4 (32-45),
@@ -887,8 +862,7 @@ __device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint3
   fence_acc<NR / 8>(acc);
   // A trellis group's D tiles are decoded into one of two fragment sets, then MMA'd as one batch (one fence, D
   // wgmmas, one commit); waiting for the batch before it leaves the other set free for the next group's decode, so a
-  // batch has a whole group's decode to finish in (one batch per tile measured 0.77-0.92x the mma.sync ring: each
-  // tile then waited out the previous wgmma's latency).
+  // batch has a whole group's decode to finish in.
   uint32_t frag_a[D][4], frag_b[D][4];
   auto mma_batch = [&](auto& frag, uint32_t offset, int count) {
     wgmma_fence();
@@ -952,153 +926,6 @@ __global__ void __launch_bounds__(256) gemm_wg_kernel(const half* __restrict__ x
   extern __shared__ uint4 ring[];
   wg_warp<K2, CB, NR, CG>(xh, trellis, partial, m, k_tiles, n_tiles, splits, blockIdx.x * 8 + (threadIdx.x >> 5),
                           ring);
-}
-
-// acc += A (desc_a: 64 features x 16 k in shared memory) x B (desc_b: NR rows of x), as 64-row wgmmas
-template <int NR>
-__device__ __forceinline__ void wgmma_ss_rows(float (&acc)[NR / 8][4], uint64_t desc_a, uint64_t desc_b) {
-  if constexpr (NR == 16) wgmma_ss_n16<0>(acc, desc_a, desc_b);
-  else if constexpr (NR == 32) wgmma_ss_n32<0>(acc, desc_a, desc_b);
-  else {
-    wgmma_ss_n64<0>(acc, desc_a, desc_b);
-    if constexpr (NR >= 128) wgmma_ss_n64<8>(acc, desc_a, desc_b + (8192 >> 4));
-    if constexpr (NR >= 256) {
-      wgmma_ss_n64<16>(acc, desc_a, desc_b + (16384 >> 4));
-      wgmma_ss_n64<24>(acc, desc_a, desc_b + (24576 >> 4));
-    }
-  }
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// four 8x8 fp16 matrices from mma fragments into shared memory, one row address per lane (lanes 8j..8j+7: matrix j)
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
-               "r"(r[2]), "r"(r[3]) : "memory");
-}
-__host__ __device__ constexpr uint64_t sw128_desc_bits() {  // LBO 1 (unused), SBO 1,024 bytes, 128-byte swizzle
-  return (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-// ---- warp-specialised decode GEMM (sm_90a): decoding warps feed a wgmma warpgroup through shared memory -----------
-// A block owns 64 output features (4 column strips) x NR rows of x (blockIdx.y) x one K split. Warpgroup 0 only
-// issues wgmmas: per trellis group (4 k-tiles = 64 columns of K, a "stage") four m64nNRk16 MMAs with A = the decoded
-// weights and B = x, both from shared memory (K-major, 128-byte swizzle), accumulating in registers. Warpgroups 1-2
-// (8 warps: strip w % 4, tiles 2 (w / 4) and 2 (w / 4) + 1 of every group) decode their tiles as the other GEMMs do
-// (fragments in registers) and store them with stmatrix into the stage's A tile (64 features x 128 bytes, piece kk of
-// row R at kk ^ (R % 8)), and copy the stage's x rows with cp.async. Stages pass through mbarriers: `full` (the 256
-// decoding threads arrive once their tiles and copies are in) and `empty` (the MMA warpgroup's 128 threads arrive once
-// the wgmmas that read a stage have finished). The decode never waits for the MMAs of its own warp or for the other
-// warps of a warpgroup, which is what made the register-fed form (wg_warp) slower than the mma.sync ring.
-constexpr int kWsStages = 4;
-__host__ __device__ constexpr int ws_stage_bytes(int nr) { return 64 * 128 + nr * 128; }
-__host__ __device__ constexpr int ws_smem(int nr) { return kWsStages * ws_stage_bytes(nr) + 1024; }
-
-template <int K2, int CB, int NR>
-__global__ void __launch_bounds__(384) gemm_ws_kernel(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
-                                                      float* __restrict__ partial, int m, int k_tiles, int n_tiles,
-                                                      int splits) {
-#ifdef EXL3_HAS_WGMMA
-  extern __shared__ uint4 smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * kWsStages];  // full[s], then empty[s]
-  constexpr int S = kWsStages, D = kDepth, L = LaneBits<K2>::kLoad, W = words32(K2);
-  constexpr uint32_t stage_bytes = ws_stage_bytes(NR);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int col_blocks = n_tiles / 4, cb = blockIdx.x % col_blocks, split = blockIdx.x / col_blocks;
-  // splits in whole stages (k_tiles % 4 == 0), so every wgmma batch is four k-tiles
-  const int all = k_tiles / D, g0 = (int)((long long)split * all / splits);
-  const int groups = (int)((long long)(split + 1) * all / splits) - g0, kt0 = g0 * D, tiles = groups * D;
-  const int K = k_tiles * 16, N = n_tiles * 16;
-  const int role = __shfl_sync(0xffffffffu, warp >> 2, 0);  // warpgroup index, known warp-uniform
-  const int row0 = blockIdx.y * NR, mb = min(m - row0, NR);
-  const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * S;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full0 + 8 * s, 256);
-      mbar_init(empty0 + 8 * s, 128);
-    }
-  }
-  __syncthreads();
-
-  if (role > 0) {  // decoding warps
-    const int p = warp - 4, strip = p & 3, half = p >> 2, tn = cb * 4 + strip;
-    const LaneBits<K2> bits(lane);
-    const WgFill<NR, 1> filler(xh + (size_t)row0 * K, kt0, threadIdx.x - 128);
-    const uint32_t* lw[L];
-#pragma unroll
-    for (int i = 0; i < L; ++i) lw[i] = trellis + ((size_t)tn * k_tiles + kt0 + 2 * half) * W + bits.idx[i];
-    // this lane's stmatrix row: matrix j = lane / 8 (rows +8 for j odd, k +8 for j >= 2), row lane % 8
-    const int j = lane >> 3, r = lane & 7, row = strip * 16 + (j & 1) * 8 + r;
-    const uint32_t a_row = row * 128;
-    uint32_t buf[2][2][L];
-    auto load_pair = [&](uint32_t (&b)[2][L], int g) {
-#pragma unroll
-      for (int d = 0; d < 2; ++d) {
-#pragma unroll
-        for (int i = 0; i < L; ++i) b[d][i] = __ldg(lw[i] + (g * D + d) * W);
-      }
-    };
-    auto produce = [&](int g, const uint32_t (&cur)[2][L], uint32_t (&next)[2][L]) {
-      const int s = g % S;
-      if (g >= S) mbar_wait(empty0 + 8 * s, ((g / S) - 1) & 1);
-      const uint32_t stage = base + s * stage_bytes;
-      filler.fill(stage + 64 * 128, g, tiles, mb, K);
-      cp_async_commit();
-      if (g + 1 < groups) load_pair(next, g + 1);
-#pragma unroll
-      for (int d = 0; d < 2; ++d) {
-        const int t = 2 * half + d;  // k-tile inside the stage
-        uint32_t frag[4];
-        bits.template decode<CB>(cur[d], frag);
-        stmatrix_x4(stage + a_row + ((((2 * t + (j >> 1)) ^ r) & 7) << 4), frag);
-      }
-      cp_async_wait<0>();
-      fence_proxy_async();  // the stmatrix and cp.async writes, before wgmma reads them through the async proxy
-      mbar_arrive(full0 + 8 * s);
-    };
-    if (groups > 0) load_pair(buf[0], 0);
-    for (int g = 0; g < groups; g += 2) {
-      produce(g, buf[0], buf[1]);
-      if (g + 1 < groups) produce(g + 1, buf[1], buf[0]);
-    }
-    return;
-  }
-
-  // the MMA warpgroup
-  float acc[NR / 8][4];
-#pragma unroll
-  for (int i = 0; i < NR / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  fence_acc<NR / 8>(acc);
-  const uint64_t desc0 = sw128_desc_bits() | (uint64_t)((base & 0x3FFFF) >> 4);
-  for (int g = 0; g < groups; ++g) {
-    const int s = g % S;
-    mbar_wait(full0 + 8 * s, (g / S) & 1);
-    const uint64_t desc_a = desc0 + ((s * stage_bytes) >> 4), desc_b = desc_a + ((64 * 128) >> 4);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < D; ++t) wgmma_ss_rows<NR>(acc, desc_a + 2 * t, desc_b + 2 * t);  // + 32 bytes per k-tile
-    wgmma_commit();
-    wgmma_wait<1>();  // the stage before this one has been read
-    if (g > 0) mbar_arrive(empty0 + 8 * ((g - 1) % S));
-  }
-  wgmma_wait<0>();
-  fence_acc<NR / 8>(acc);
-  store_acc<NR / 8>(partial + ((size_t)split * m + row0) * N + (cb * 4 + warp) * 16, acc, mb, N, lane);
-#else
-  __trap();
-#endif
 }
 
 // Writes 1 where this library's code for the running GPU has the wgmma kernels (built for sm_90a), else 0.
@@ -2178,34 +2005,9 @@ int launch_wg(int m, int mode, int grid_x, cudaStream_t stream, KernelOf kernel_
   }
 }
 
-// the warp-specialised form: blocks of 64 columns x wg_rows(m) rows x one K split, 12 warps
-template <int K2, int CB>
-int launch_variant_gemm_ws(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt, int splits,
-                           cudaStream_t stream) {
-  if (g_wgmma != 1) return -1;
-  if (nt % 4 || kt % 4 || splits > kt / 4) return -3;
-  const int nr = wg_rows(m);
-  const dim3 grid(nt / 4 * splits, (m + nr - 1) / nr);
-  auto go = [&](auto rows) -> int {
-    constexpr int NR = decltype(rows)::value, smem = ws_smem(NR);
-    auto kernel = gemm_ws_kernel<K2, CB, NR>;
-    if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    kernel<<<grid, 384, smem, stream>>>(xh, trellis, partial, m, kt, nt, splits);
-    return (int)cudaGetLastError();
-  };
-  switch (nr) {
-    case 16: return go(std::integral_constant<int, 16>{});
-    case 32: return go(std::integral_constant<int, 32>{});
-    case 64: return go(std::integral_constant<int, 64>{});
-    case 128: return go(std::integral_constant<int, 128>{});
-    default: return go(std::integral_constant<int, 256>{});
-  }
-}
-
 template <int K2, int CB>
 int launch_variant_gemm_wg(const half* xh, const uint32_t* trellis, float* partial, int m, int kt, int nt, int splits,
                            int mode, cudaStream_t stream) {
-  if (mode == 93) return launch_variant_gemm_ws<K2, CB>(xh, trellis, partial, m, kt, nt, splits, stream);
   if (nt % 8) return -3;
   auto kernel_of = [](auto rows, auto cg) {
     return gemm_wg_kernel<K2, CB, decltype(rows)::value, decltype(cg)::value>;
@@ -2412,7 +2214,8 @@ int exl3_gemm_partial_ring(const void* xh, const void* trellis, void* partial, i
   auto x = (const half*)xh;
   auto t = (const uint32_t*)trellis;
   auto p = (float*)partial;
-  if (wg_mode_ok(mode)) EXL3_DISPATCH(k2, codebook, launch_variant_gemm_wg, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
+  if (wg_mode_ok(mode))
+    EXL3_DISPATCH(k2, codebook, launch_variant_gemm_wg, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
   EXL3_DISPATCH(k2, codebook, launch_variant_gemm_ring, (x, t, p, m, k_tiles, n_tiles, splits, mode, s))
 }
 
@@ -2711,8 +2514,8 @@ long long exl3_set_octet_min_items(long long items) {
 }
 
 // 1 where this build has the wgmma ring kernels for the current GPU (compiled for sm_90a and running on it), else 0;
-// below -1000: -1000 - a CUDA error. Runs a probe kernel and synchronizes, so call it outside graph capture; the wgmma ring
-// modes are refused until it has answered 1.
+// below -1000: -1000 - a CUDA error. Runs a probe kernel and synchronizes, so call it outside graph capture; the
+// wgmma ring modes are refused until it has answered 1.
 int exl3_wgmma_available(void) {
   int* flag = nullptr;
   int got = 0;
