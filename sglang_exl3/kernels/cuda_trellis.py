@@ -441,7 +441,8 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
     """fp32 split-K partials [S, m, N] of xh (fp16 [m, K], rotated) @ W_hat (prepare()d weights); m <= 64.
     `xs`: stage x in shared memory (None: `use_xs`); the partials are the same bit for bit.
     `ring` (RING_MODES: warps per block * 10 + trellis groups per chunk): stream x through the shared-memory ring
-    instead (any m, in 64-row blocks; N a multiple of 16 * warps); the same partials at equal splits."""
+    instead (any m, in 64-row blocks; N a multiple of 16 * warps); the same partials at equal splits. WG_MODES: the
+    same ring on wgmma (wgmma_ready() builds; blocks of wg_block_rows(m) rows)."""
     _check_tiles(tiles)
     nt, kt, _ = tiles.shape
     m = xh.shape[0]
