@@ -89,7 +89,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("LOG_PATH_SELECTION", False, "flag", help="log the backend chosen for every EXL3 layer",
          vllm_name="VLLM_EXL3_LOG_PATH_SELECTION"),
     Knob("FUSED_MAX_M", 128, "positive_int", help="dense linears on our CUDA kernels: the most rows the fused decode "
-         "GEMM serves (1-128, its limit; 65-128 only through the x ring); above, reconstruct + cuBLAS", maximum=128),
+         "GEMM serves (1-128; 65-128 only through the x ring; unset: 256 where the wgmma ring serves, else 128); "
+         "above, reconstruct + cuBLAS", maximum=128),
     Knob("ONE_LAUNCH_MAX_M", "1", "choice", tuple(str(m) for m in range(17)), "dense linears and fused q/k/v, "
          "gate/up layers (not the lm_head) on our CUDA kernels with at most this many rows run as one launch, the "
          "input and output rotations folded into the GEMM; 0: three launches at every m"),

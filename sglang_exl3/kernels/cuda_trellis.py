@@ -473,10 +473,10 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
 
 RING_MODES = (81, 82)  # x-ring GEMM: warps per block (8) * 10 + trellis groups per x chunk (1, 2)
 # The x ring on Hopper's warpgroup MMA (sm_90a builds), decoding the weights once per block of wg_block_rows(m) rows
-# (up to 256), wgmma fed from registers: 90 + trellis groups per x chunk. H100, wgmma-ab (4096 x 14336 and
-# 14336 x 4096, whole linear, 4 bits): 0.88-1.04x the mma.sync ring at 16-32 rows, 1.05-1.10x at 64, 1.42-1.49x at
-# 128 and 1.27-1.48x against reconstruct + cuBLAS at 256; mode 91 the faster at 64 rows and above. So it serves
-# WG_MIN_M..WG_MAX_M rows where the build has it (wgmma_ready).
+# (up to 256), wgmma fed from registers: 90 + trellis groups per x chunk. H100, wgmma-ab (four shapes, whole linear,
+# 4 bits): its best cell 0.88-1.06x the mma.sync ring at 16-32 rows, 1.01-1.10x at 48-64, 1.32-1.49x at 96-128 on
+# the wide shapes, 1.23-1.74x against reconstruct + cuBLAS at 192-256 and 0.69-0.99x at 384 and 1,024; at 48-256 rows
+# mode 91 is within 2.2% of 92 where 92 won. So it serves WG_MIN_M..WG_MAX_M rows where the build has it.
 WG_MODES = (91, 92)
 WG_MIN_M, WG_MAX_M = 33, 256
 # A group's launch runs at its load-time splits, which the wgmma ring measured slow with above 64 rows (gate/up
@@ -968,8 +968,9 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
     _check_act("x", x, (x.shape[0], k_tiles * 16))
     if counters is not None and (ring not in RING_MODES or counters.dtype != torch.int32
                                  or counters.device != x.device):
-        raise ValueError(f"group_run: counters need the ring and int32 on {x.device}, got ring {ring}, "
-                         f"{counters.dtype} on {counters.device}")
+        raise ValueError(f"group_run: counters need an mma.sync ring mode {RING_MODES} (the wgmma ring does not "
+                         f"rotate its own output) and int32 on {x.device}, got ring {ring}, {counters.dtype} on "
+                         f"{counters.device}")
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
     partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=x.dtype, device=x.device)

@@ -615,7 +615,7 @@ template <int K2, int CB, int MT, int KW, int CG>
 __device__ __forceinline__ void ring_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
                                           float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
                                           int item, uint4* __restrict__ ring) {
-  constexpr int L = LaneBits<K2>::kLoad, W = words32(K2), D = kDepth, S = ring_stages(CG), RB = ring_row_bytes(CG);
+  constexpr int L = LaneBits<K2>::kLoad, D = kDepth, S = ring_stages(CG), RB = ring_row_bytes(CG);
   constexpr uint32_t slot_bytes = MT * 8 * RB, rows16 = 16 * RB;
   const int lane = threadIdx.x & 31;
   const int tn = item % n_tiles, split = item / n_tiles;
@@ -838,7 +838,7 @@ __device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint3
                                         float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
                                         int item, uint4* __restrict__ ring) {
 #ifdef EXL3_HAS_WGMMA
-  constexpr int L = LaneBits<K2>::kLoad, W = words32(K2), D = kDepth, S = kWgStages, P = S - 2;
+  constexpr int L = LaneBits<K2>::kLoad, D = kDepth, S = kWgStages, P = S - 2;
   constexpr uint32_t slot_bytes = wg_slot_bytes(NR, CG), atom_bytes = NR * 128;
   const int lane = threadIdx.x & 31;
   const int tn = item % n_tiles, split = item / n_tiles;
