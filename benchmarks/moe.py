@@ -52,7 +52,7 @@ COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "ours
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us",
-                 "ours_rotated_us"]
+                 "ours_rotated_us", "ours_rotated_decode_us", "ours_rotated_glue_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -178,7 +178,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
     from sglang_exl3.layers.moe_kernels import dense_forward
-    from sglang_exl3.layers.moe_rotated import rotated_slab_forward
+    from sglang_exl3.layers.moe_rotated import decode_rotated, rotated_slab_forward
 
     theirs = None
     if ckpt_dir is None:
@@ -244,11 +244,17 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                 row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
 
-            def rotated(i, xs=xs16, routes=routes):  # W_hat slab + SGLang's Triton GEMM between our rotations
+            def rotated(i, xs=xs, routes=routes):  # W_hat slab + SGLang's Triton GEMM between our rotations
                 w, ids, _ = routes[i]
                 return rotated_slab_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids, False)
 
             row["ours_rotated_us"] = graph_us(rotated, ROUTINGS, calls=ROUTINGS)
+            def rotated_decode(i):  # the rotated slab's first stage alone: every W_hat decoded into the slab
+                return decode_rotated(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN)
+
+            row["ours_rotated_decode_us"] = graph_us(rotated_decode, ROUTINGS, calls=ROUTINGS)
+            row["ours_rotated_glue_us"] = graph_us(rotated_glue(layer.exl3_tiers, xs, routes), ROUTINGS,
+                                                   calls=ROUTINGS)
         if isinstance(theirs, str):
             row["exllamav3_error"] = theirs
         elif theirs is not None:
@@ -258,6 +264,27 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
         print("ROW", row, flush=True)
         rows.append(row)
         flush()  # a run cut short still leaves every finished row
+
+
+def rotated_glue(tiers, xs, routes):
+    """The rotated slab's three glue launches alone (rotate_in, mid, tail) on GEMM outputs of the right shapes: with
+    ours_rotated_decode_us, what the two grouped GEMMs take is the rest of ours_rotated_us."""
+    from sglang_exl3.layers.moe_rotated import cuda_glue, rotation_tables
+
+    glue, tables = cuda_glue(), rotation_tables(tiers)
+    gate_suh, gate_svh, up_suh, up_svh, down_suh, down_svh = tables
+    pairs = routes[0][1].numel()
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randn(2 * pairs, INTER, generator=gen).half().cuda()
+    y = torch.randn(pairs, HIDDEN, generator=gen).half().cuda()
+
+    def run(i):
+        w, ids, _ = routes[i]
+        flat = tiers.slab_ids(ids).reshape(-1).contiguous()
+        glue.rotate_in(xs[i], flat, TOPK, gate_suh, up_suh)
+        glue.mid(c, flat, gate_svh, up_svh, down_suh, False)
+        return glue.tail(y, flat, w.reshape(-1).float().contiguous(), down_svh, TOPK)
+    return run
 
 
 def time_exllamav3(theirs, xs, routes, ours_out: torch.Tensor) -> dict:

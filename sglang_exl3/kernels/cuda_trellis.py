@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 19
+ABI_VERSION = 20
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -234,6 +234,9 @@ def _open_library(path: str) -> ctypes.CDLL:
                                    i, i, p, p]
     lib.exl3_moe_decode.argtypes = [p, i, p, p, p, p, i, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p,
                                     ctypes.c_longlong, i, p, i, i, p]
+    lib.exl3_slab_rot_in.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
+    lib.exl3_slab_mid.argtypes = [p, p, i, i, p, p, p, p, i, i, p]
+    lib.exl3_slab_tail.argtypes = [p, p, i, p, p, p, i, i, i, p]
     lib.exl3_quantize_tiles.argtypes = [p, p, p, p, p, i, i, p]
     lib.exl3_quantize_tiles_fast.argtypes = [p, p, p, i, i, i, i, ctypes.POINTER(i), p]
     lib.exl3_quantize_tiles_fast_scratch.restype = ctypes.c_longlong
@@ -953,6 +956,69 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, topk:
                                            weights.data_ptr(), ids.data_ptr(), _ids_bytes(ids), out.data_ptr(),
                                            pairs // topk, topk, n, int(on_host), None if on_host else _stream(y)),
            "moe combine")
+    return out
+
+
+def _check_slab_ids(ids: torch.Tensor) -> None:
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous() or not ids.is_cuda:
+        raise ValueError(f"the rotated slab's ids must be contiguous CUDA int32 / int64 [pairs], got {ids.dtype} "
+                         f"{list(ids.shape)} on {ids.device}")
+
+
+def _check_table(name: str, t: torch.Tensor, width: int) -> None:
+    """A per-expert rotation table: fp16 [experts, width]."""
+    _check_fp16(name, t, (t.shape[0] if t.dim() == 2 else -1, width))
+
+
+def slab_rotate_in(x: torch.Tensor, ids: torch.Tensor, topk: int, gate_suh: torch.Tensor,
+                   up_suh: torch.Tensor) -> torch.Tensor:
+    """fp16 [2 * pairs, K]: row p = had_in(x[p // topk], gate_suh[ids[p]]), row pairs + p the same with up_suh, for
+    fp16 or bf16 x [pairs / topk, K] (ids in slab order; below 0: a zero row). One launch."""
+    pairs, k = ids.numel(), x.shape[-1]
+    _check_act("x", x, (pairs // max(topk, 1), k))
+    _check_slab_ids(ids)
+    _check_table("gate_suh", gate_suh, k)
+    _check_table("up_suh", up_suh, k)
+    a = torch.empty(2 * pairs, k, dtype=torch.float16, device=x.device)
+    _check(load_library().exl3_slab_rot_in(x.data_ptr(), int(x.dtype == torch.bfloat16), ids.data_ptr(),
+                                           _ids_bytes(ids), pairs, topk, gate_suh.data_ptr(), up_suh.data_ptr(),
+                                           a.data_ptr(), k, _stream(x)), "slab rotate in")
+    return a
+
+
+def slab_mid(c: torch.Tensor, ids: torch.Tensor, gate_svh: torch.Tensor, up_svh: torch.Tensor,
+             down_suh: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """fp16 [pairs, N]: pair p's down-projection input had_in(act(had_out(c[p], gate_svh[e])) * had_out(c[pairs + p],
+    up_svh[e]), down_suh[e]), e = ids[p], from the gate/up GEMM's fp16 c [2 * pairs, N]. One launch."""
+    pairs = ids.numel()
+    n = c.shape[-1]
+    _check_fp16("c", c, (2 * pairs, n))
+    _check_slab_ids(ids)
+    for name, t in (("gate_svh", gate_svh), ("up_svh", up_svh), ("down_suh", down_suh)):
+        _check_table(name, t, n)
+    h = torch.empty(pairs, n, dtype=torch.float16, device=c.device)
+    _check(load_library().exl3_slab_mid(c.data_ptr(), ids.data_ptr(), _ids_bytes(ids), pairs, gate_svh.data_ptr(),
+                                        up_svh.data_ptr(), down_suh.data_ptr(), h.data_ptr(), n, int(gelu),
+                                        _stream(c)), "slab mid")
+    return h
+
+
+def slab_tail(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down_svh: torch.Tensor,
+              topk: int) -> torch.Tensor:
+    """fp32 [pairs / topk, H]: each token's pairs' had_out(y[p], down_svh[ids[p]]) summed with the fp32 routing
+    weights in top-k order (ids below 0 skipped), from the down GEMM's fp16 y [pairs, H]. One launch."""
+    pairs, hidden = ids.numel(), y.shape[-1]
+    _check_fp16("y", y, (pairs, hidden))
+    _check_slab_ids(ids)
+    _check_table("down_svh", down_svh, hidden)
+    if weights.dtype != torch.float32 or weights.numel() != pairs or not weights.is_contiguous() or topk <= 0 or \
+            pairs % topk:
+        raise ValueError(f"slab_tail: contiguous fp32 weights of {pairs} pairs in tokens of top-{topk}, got "
+                         f"{weights.dtype} {weights.numel()}")
+    out = torch.empty(pairs // topk, hidden, dtype=torch.float32, device=y.device)
+    _check(load_library().exl3_slab_tail(y.data_ptr(), ids.data_ptr(), _ids_bytes(ids), weights.data_ptr(),
+                                         down_svh.data_ptr(), out.data_ptr(), pairs // topk, topk, hidden,
+                                         _stream(y)), "slab tail")
     return out
 
 

@@ -33,11 +33,12 @@ TILE = 16
 
 @dataclass
 class LayerCartridge:
-    """One layer's served weights under a cartridge: W_eff per role as [E, N, K] fp16 (rotated basis)."""
+    """One layer's served weights under a cartridge: W_eff in the rotated basis as `rotated_forward` takes them,
+    gate and up as one [2E, N, K] fp16 (gate experts, then up experts), down [E, H, N]."""
 
     layer_index: int
     labels: tuple[str, ...]
-    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    weights: tuple[torch.Tensor, torch.Tensor]
 
 
 def _decode(trellis: torch.Tensor, codebook: Codebook, kernel_layout: bool) -> torch.Tensor:
@@ -90,10 +91,10 @@ def _residual(info, projection: str, stored: tuple[int, int], cut: tuple[int, in
     return t.contiguous().to(device)
 
 
-def _fold(layer: torch.nn.Module, residuals) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fold(layer: torch.nn.Module, residuals) -> tuple[torch.Tensor, torch.Tensor]:
     """Per role, [E, N, K] fp16 = fp16(W_hat_base + sum of `residuals(role, projection, expert, shard, tiles)`'s
-    (W_hat, 1 / scale) pairs), summed in fp32 and rounded once. Also keeps the layer's rotation tables (made here,
-    eagerly, never inside a graph capture)."""
+    (W_hat, 1 / scale) pairs), summed in fp32 and rounded once; gate and up joined as [2E, N, K]. Also keeps the
+    layer's rotation tables (made here, eagerly, never inside a graph capture)."""
     if getattr(layer, "exl3_rotation_tables", None) is None:
         layer.exl3_rotation_tables = rotations(layer.exl3_experts)
     weights = []
@@ -106,7 +107,8 @@ def _fold(layer: torch.nn.Module, residuals) -> tuple[torch.Tensor, torch.Tensor
                 w += w_hat.float() * inverse
             per_expert.append(w.to(torch.float16).t())
         weights.append(torch.stack(per_expert))
-    return tuple(weights)
+    gate, up, down = weights
+    return torch.cat([gate, up]), down
 
 
 def base_cartridge(layer: torch.nn.Module, prefix: str) -> LayerCartridge:
@@ -163,11 +165,13 @@ def rotations(experts: list[dict[str, Exl3Shard]]) -> tuple[torch.Tensor, ...]:
 def cartridge_forward(layer: torch.nn.Module, cart: LayerCartridge, x: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, gelu: bool) -> torch.Tensor:
     """fp32 [m, H]: the layer's experts with the cartridge's weights (rotated forward; Triton grouped GEMM on CUDA)."""
-    from sglang_exl3.layers.moe_rotated import reference_gemm, rotated_forward, triton_gemm
+    from sglang_exl3.kernels.backends import Backend
+    from sglang_exl3.layers.moe_rotated import TORCH_GLUE, cuda_glue, reference_gemm, rotated_forward, triton_gemm
 
     e, inter, hidden = len(layer.exl3_experts), layer.intermediate_size_per_partition, layer.hidden_size
     if x.shape[0] == 0:  # no launch for an empty batch
         return torch.zeros(0, hidden, dtype=torch.float32, device=x.device)
     gemm = triton_gemm(x.shape[0], topk_ids.shape[1], e, inter, hidden) if x.is_cuda else reference_gemm
-    return rotated_forward(cart.weights, layer.exl3_rotation_tables, x.to(torch.float16), topk_weights, topk_ids,
-                           gelu, gemm)
+    on_our_kernels = x.is_cuda and getattr(layer, "exl3_backend", None) == int(Backend.CUDA)
+    return rotated_forward(cart.weights, layer.exl3_rotation_tables, x, topk_weights, topk_ids, gelu, gemm,
+                           cuda_glue() if on_our_kernels else TORCH_GLUE)

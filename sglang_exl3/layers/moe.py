@@ -225,14 +225,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def _capturable(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         """Decode and prefill plans on our CUDA kernels: routed groups (only the routed experts' weights are read;
         they take bf16 x as it comes), or from rotated_min_rows rows the rotated slab (every expert's W_hat decoded
-        once, SGLang's Triton grouped GEMM between per-pair rotations; fp16); elsewhere every expert on every row."""
+        once, SGLang's Triton grouped GEMM in fp16 between our per-pair rotations, which read bf16 x as it comes);
+        elsewhere every expert on every row."""
         tiers = layer.exl3_tiers
         if tiers is None:
             return self._all_experts(layer, x, topk_weights, topk_ids)
         if x.shape[0] >= rotated_min_rows(tiers.num_experts, self.moe_runner_config.top_k):
             return rotated_slab_forward(tiers, self._owner(layer).exl3_moe_slab,
                                         layer.intermediate_size_per_partition, layer.hidden_size,
-                                        x.to(torch.float16), topk_weights, topk_ids,
+                                        x, topk_weights, topk_ids,
                                         self.moe_runner_config.activation == "gelu")
         # with no routed scaling to apply in fp32 afterwards, the decode forward may round into x's dtype itself
         fold = self.moe_runner_config.routed_scaling_factor is None

@@ -27,13 +27,13 @@ from sglang_exl3.layers.shard import Exl3Shard
 ROLES = tuple(role for role, _ in ROLE_PROJECTIONS)  # gate, up, down (SGLang's shard ids)
 MIN_SLAB_ROWS = 32  # below this many rows no layer decodes its whole expert set, whatever its shape
 # Rows from which the prefill plan runs the rotated slab (layers/moe_rotated.py: every expert's W_hat decoded once
-# into the slab, SGLang's Triton grouped GEMM between per-pair rotations) instead of expert-sorted tiles. Both costs
-# scale with an expert's size, so the crossover is a number of (token, expert) pairs per expert. H200, Qwen3-30B-A3B
-# layer, 4 bits, both paths in one run (benchmarks/results/moe-h200.md, --both-paths): sorted 1,357 µs vs rotated
-# 1,397 at 512 rows, 7,463 vs 5,614 at 4,096: crossing near 600 rows, ~37 pairs per expert. The dense slab
-# (dense_forward: the slab in the original basis, five passes per role, then fused_experts) measured slower than
-# the rotated slab at every m (9.6-10.4 ms flat), so the plan never takes it; benchmarks and GPU tests keep it.
-ROTATED_PAIRS_PER_EXPERT = 37
+# into the slab, SGLang's Triton grouped GEMM between our per-pair rotation launches) instead of expert-sorted tiles.
+# Both costs scale with an expert's size, so the crossover is a number of (token, expert) pairs per expert. H100,
+# Qwen3-30B-A3B layer, 4 bits, both paths in one run (benchmarks/results/moe-h100-80gb-hbm3.md, --both-paths): sorted
+# 998 µs vs rotated 1,065 at 384 rows, 1,299 vs 1,081 at 512: crossing near 414 rows, ~26 pairs per expert. The dense
+# slab (dense_forward: the slab in the original basis, five passes per role, then fused_experts) measured slower than
+# the rotated slab at every m (8.7-9.2 ms flat), so the plan never takes it; benchmarks and GPU tests keep it.
+ROTATED_PAIRS_PER_EXPERT = 26
 
 
 def rotated_min_rows(experts: int, topk: int) -> int:

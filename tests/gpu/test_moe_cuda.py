@@ -119,14 +119,43 @@ def test_rotation_forms_give_the_same_routed_output(m):
     assert not torch.isnan(got).any() and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("x_dtype, ids_dtype, gelu", [(torch.bfloat16, torch.int32, False),
+                                                       (torch.float16, torch.int64, True)])
+def test_slab_glue_kernels_match_the_torch_glue(x_dtype, ids_dtype, gelu):
+    """The rotated slab's three glue launches (kernels/cuda_trellis.py slab_*) against the torch glue on fresh random
+    inputs, unrouted pairs included: the rotations bit for bit, the activation and the fp32 top-k sum within a
+    rounding (expf / FMA)."""
+    from sglang_exl3.layers.moe_rotated import TORCH_GLUE, cuda_glue
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, topk, experts, k, n, h = 37, 3, 5, 384, 256, 384
+    cuda, ref = cuda_glue(), TORCH_GLUE
+    table = [(torch.randn(experts, width, generator=gen) * 0.5).half().cuda() for width in (k, k, n, n, n, h)]
+    gate_suh, up_suh, gate_svh, up_svh, down_suh, down_svh = table
+    ids = torch.randint(0, experts, (tokens * topk,), generator=gen).to(ids_dtype)
+    ids[torch.randperm(ids.numel(), generator=gen)[:7]] = -1
+    ids = ids.cuda()
+    x = torch.randn(tokens, k, generator=gen).to(x_dtype).cuda()
+    a = cuda.rotate_in(x, ids, topk, gate_suh, up_suh)
+    assert torch.equal(a, ref.rotate_in(x, ids, topk, gate_suh, up_suh))
+    c = (torch.randn(2 * ids.numel(), n, generator=gen) * 4).half().cuda()
+    got, want = cuda.mid(c, ids, gate_svh, up_svh, down_suh, gelu), ref.mid(c, ids, gate_svh, up_svh, down_suh, gelu)
+    assert (got.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max()
+    assert torch.equal(got[ids < 0], torch.zeros_like(got[ids < 0]))
+    y = (torch.randn(ids.numel(), h, generator=gen) * 4).half().cuda()
+    w = torch.rand(ids.numel(), generator=gen).cuda()
+    got, want = cuda.tail(y, ids, w, down_svh, topk), ref.tail(y, ids, w, down_svh, topk)
+    assert got.shape == (tokens, h) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("m", [3, 300])
 @pytest.mark.parametrize("bits, shared_h", [((4,) * EXPERTS, False), ((3, 4, 3, 5, 4, 3), False),
                                             ((3,) * EXPERTS, True)], ids=["uniform", "mixed", "shared-h-3bit"])
 def test_rotated_slab_matches_the_codec(m, bits, shared_h):
     """The rotated-basis forward for long prefills (layers/moe_rotated.py: W_hat decoded once into the slab, SGLang's
-    Triton grouped GEMM between per-pair rotations), on the Triton kernel and on its torch stand-in, against the
-    codec; mixed bitrates decode tier by tier into slab order."""
-    from sglang_exl3.layers.moe_rotated import reference_gemm, rotated_slab_forward
+    Triton grouped GEMM between our per-pair rotation kernels), with the Triton kernel or its torch stand-in and our
+    glue or the torch glue, against the codec; mixed bitrates decode tier by tier into slab order."""
+    from sglang_exl3.layers.moe_rotated import TORCH_GLUE, reference_gemm, rotated_slab_forward
 
     layer, cpu = _layer(bits, shared_h)
     _method(layer)
@@ -135,8 +164,9 @@ def test_rotated_slab_matches_the_codec(m, bits, shared_h):
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(m)]).to(torch.int32)
     w = torch.rand(m, TOPK, generator=gen)
     ref = _reference(cpu, x, ids, w)
-    for name, gemm in (("triton", None), ("torch", reference_gemm)):
+    for name, gemm, glue in (("triton", None, None), ("torch gemm", reference_gemm, None),
+                             ("torch glue", None, TORCH_GLUE)):
         y = rotated_slab_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, x.cuda(), w.cuda(), ids.cuda(),
-                                 False, gemm)
+                                 False, gemm, glue)
         assert torch.isfinite(y).all(), name
         assert float((y.cpu() - ref).norm() / ref.norm()) < 5e-3, name
