@@ -110,6 +110,17 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert ring_rotating_out(counters_len=1) == -3  # 256 columns: two counters per 64-row block
     assert ring_rotating_out(m=65) == -3  # two 64-row blocks need four
     assert ring_rotating_out(ring=92) == -3  # the wgmma ring never rotates its own output
+    # the rotated slab's glue launches check their shapes before launching
+    lib.exl3_slab_rot_in.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
+    lib.exl3_slab_mid.argtypes = [p, p, i, i, p, p, p, p, i, i, p]
+    lib.exl3_slab_tail.argtypes = [p, p, i, p, p, p, i, i, i, p]
+    assert lib.exl3_slab_rot_in(None, 0, None, 4, 10, 4, None, None, None, 256, None) == -3  # pairs not whole tokens
+    assert lib.exl3_slab_rot_in(None, 0, None, 4, 8, 4, None, None, None, 192, None) == -3  # K not whole blocks
+    assert lib.exl3_slab_rot_in(None, 0, None, 2, 8, 4, None, None, None, 256, None) == -3  # 16-bit ids
+    assert lib.exl3_slab_mid(None, None, 4, 0, None, None, None, None, 256, 0, None) == -3  # no pairs
+    assert lib.exl3_slab_mid(None, None, 8, 8, None, None, None, None, 96, 0, None) == -3  # N not whole blocks
+    assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 0, 256, None) == -3  # top-0
+    assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 4, 320, None) == -3  # H not whole blocks
 
 
 @pytest.mark.slow
