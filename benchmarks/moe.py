@@ -249,6 +249,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                 return rotated_slab_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids, False)
 
             row["ours_rotated_us"] = graph_us(rotated, ROUTINGS, calls=ROUTINGS)
+
             def rotated_decode(i):  # the rotated slab's first stage alone: every W_hat decoded into the slab
                 return decode_rotated(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN)
 

@@ -106,9 +106,9 @@ def _fold(layer: torch.nn.Module, residuals) -> tuple[torch.Tensor, torch.Tensor
             for w_hat, inverse in residuals(role, projection, e, shard, (w.shape[0] // TILE, w.shape[1] // TILE)):
                 w += w_hat.float() * inverse
             per_expert.append(w.to(torch.float16).t())
-        weights.append(torch.stack(per_expert))
+        weights.append(per_expert)
     gate, up, down = weights
-    return torch.cat([gate, up]), down
+    return torch.stack(gate + up), torch.stack(down)  # one stack for gate and up: no second copy of both
 
 
 def base_cartridge(layer: torch.nn.Module, prefix: str) -> LayerCartridge:

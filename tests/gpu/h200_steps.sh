@@ -139,11 +139,9 @@ run_step() {
   moebench)
     site_env
     ckpt=(--ckpt-dir /tmp/moeck)
-    if [ -f /tmp/exl3so/exllamav3_ext.so ]; then
-      :
-    elif [ -f /tmp/exl3build.log ]; then  # the sglang step started exllamav3's build: wait for it
+    if [ -f /tmp/exl3build.log ]; then  # the sglang step started exllamav3's build: wait for it
       for _ in $(seq 60); do grep -q "^exit" /tmp/exl3build.log && break; sleep 5; done
-    else  # no extension and no build (EXL3_EXT_BUILD=0): importing exllamav3 would build it inline (~6 min)
+    elif [ ! -f /tmp/exl3so/exllamav3_ext.so ]; then  # EXL3_EXT_BUILD=0: importing exllamav3 would build it (~6 min)
       ckpt=()
       echo "moebench: no exllamav3 extension: random experts, no exllamav3 column"
     fi

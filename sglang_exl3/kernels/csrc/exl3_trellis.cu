@@ -1590,8 +1590,9 @@ __global__ void __launch_bounds__(256) moe_tail_kernel(
 // At 4,096 rows of a 128-expert top-8 layer these are ~2 million 128-blocks: the warp form's 20 shuffles per block
 // (4 elements per lane) made them shuffle-bound, so here 8 lanes hold a block, 16 consecutive elements each:
 // strides 1-8 in registers, 16-64 by shuffles within the 8 lanes (12 per block; the same stages in the same
-// order, so bit-identical). A warp rotates 4 blocks; every lane joins every shuffle (an octet without a block, or
-// with an unrouted pair, rotates zeros and stores nothing).
+// order, so bit-identical). A warp rotates 4 blocks; every lane joins every shuffle: an octet past the launch's
+// blocks rotates zeros and stores nothing, an unrouted pair's octet rotates zeros into its zero rows (rot_in, mid)
+// or adds nothing (tail).
 constexpr int kSlabPerWarp = 4;  // 128-blocks per warp (8 lanes each)
 
 struct SlabLane {
