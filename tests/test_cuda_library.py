@@ -38,6 +38,11 @@ def test_no_nvcc_is_a_clear_error(monkeypatch, tmp_path):
         ck.build_library(out=tmp_path / "lib.so", arch="75")
 
 
+def test_development_build_never_lands_in_the_servers_cache():
+    with pytest.raises(ValueError, match="4-bit-MCG-only.*explicit `out`"):
+        ck.build_library(arch="90", only_4bit_mcg=True)
+
+
 @pytest.fixture(scope="module")
 def compiled(compiled_library):
     """The kernel library compiled once per test run (conftest.compiled_library), loaded for the tests below."""
