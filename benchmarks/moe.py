@@ -270,9 +270,9 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
 def rotated_glue(tiers, xs, routes):
     """The rotated slab's three glue launches alone (rotate_in, mid, tail) on GEMM outputs of the right shapes: with
     ours_rotated_decode_us, what the two grouped GEMMs take is the rest of ours_rotated_us."""
-    from sglang_exl3.layers.moe_rotated import cuda_glue, rotation_tables
+    from sglang_exl3.layers.moe_rotated import cuda_glue
 
-    glue, tables = cuda_glue(), rotation_tables(tiers)
+    glue, tables = cuda_glue(), tiers.rotations
     gate_suh, gate_svh, up_suh, up_svh, down_suh, down_svh = tables
     pairs = routes[0][1].numel()
     gen = torch.Generator().manual_seed(0)

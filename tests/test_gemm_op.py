@@ -309,3 +309,21 @@ def test_sorted_tiles_from_one_and_a_half_pairs_per_expert():
 
     assert not sorted_rows(16, 8, 128) and not sorted_rows(23, 8, 128) and sorted_rows(24, 8, 128)
     assert not sorted_rows(2, 2, 4) and sorted_rows(3, 2, 4)
+
+
+def test_rotation_tables_follow_the_slab_order_and_copy_only_for_several_tiers():
+    """The rotated slab's per-role suh / svh tables: tier by tier in slab order (what slab_ids maps to), made once by
+    build_tiers; a single tier's are views of its stacked tables."""
+    from sglang_exl3.layers.moe_kernels import ExpertTier, stack_experts, tier_rotations
+
+    experts = [_expert(10 * e, bits=3 + e % 2) for e in range(4)]
+    groups = [[0, 2], [1, 3]]
+    tiers = [ExpertTier(g, stack_experts([experts[e] for e in g]), ()) for g in groups]
+    tables = tier_rotations(tiers)
+    order = [e for g in groups for e in g]
+    for i, (role, what) in enumerate((r, w) for r in ("w1", "w3", "w2") for w in ("suh", "svh")):
+        want = torch.stack([getattr(experts[e][role], what).reshape(-1) for e in order])
+        assert torch.equal(tables[i], want), (role, what)
+    single = ExpertTier([0, 2], tiers[0].dense, ())
+    views = tier_rotations([single])
+    assert views[0].data_ptr() == single.dense[0][1].data_ptr() and views[5].data_ptr() == single.dense[2][2].data_ptr()

@@ -23,7 +23,7 @@ def _experts(n_exp: int, hidden: int, inter: int, bits: int, gen: torch.Generato
 
 
 def _slab(experts, hidden: int, inter: int, cb: Codebook):
-    """W_hat views and rotation tables as decode_rotated and rotation_tables give them."""
+    """W_hat views and rotation tables as decode_rotated and tier_rotations give them."""
     n_exp = len(experts)
     w_hat = [torch.cat([reconstruct(e[role][0], cb) for e in experts], dim=1) for role in range(3)]  # [K, E*N]
     gate_up = torch.cat(w_hat[:2], dim=1)  # gate experts, then up experts

@@ -55,6 +55,7 @@ class ExpertTiers:
     tier_of: torch.Tensor | None = None  # int64 [E]: tier of each local expert (None: one tier)
     local_of: torch.Tensor | None = None  # int64 [E]: index within its tier
     position: torch.Tensor | None = None  # int64 [E]: row in the tier-ordered slab
+    rotations: tuple[torch.Tensor, ...] | None = None  # tier_rotations, made once by build_tiers
 
     @property
     def num_experts(self) -> int:
@@ -134,7 +135,7 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
         dense = stack_experts(sub)  # first: the banks point at the stacked weights
         tiers.append(ExpertTier(group, dense, expert_banks(sub), decode_counters_for(sub)))
     if len(tiers) == 1:
-        return ExpertTiers(tiers)
+        return ExpertTiers(tiers, rotations=tier_rotations(tiers))
     device = experts[0]["w1"].trellis.device
     tier_of, local_of, position = (torch.empty(len(experts), dtype=torch.int64) for _ in range(3))
     at = 0
@@ -142,7 +143,19 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
         for i, e in enumerate(group):
             tier_of[e], local_of[e], position[e] = t, i, at + i
         at += len(group)
-    return ExpertTiers(tiers, tier_of.to(device), local_of.to(device), position.to(device))
+    return ExpertTiers(tiers, tier_of.to(device), local_of.to(device), position.to(device), tier_rotations(tiers))
+
+
+def tier_rotations(tiers: list[ExpertTier]) -> tuple[torch.Tensor, ...]:
+    """Per role, suh [E, K] and svh [E, N] of every expert in slab order, for the rotated slab: (gate suh, gate svh,
+    up suh, up svh, down suh, down svh). One tier's are views of its stacked tables; several tiers' are joined here,
+    once at load (a few MB per layer that a forward would otherwise copy, and never inside a graph capture, where
+    the copy would not run)."""
+    out = []
+    for role in range(len(ROLES)):
+        parts = [(t.dense[role][1], t.dense[role][2].view(len(t.experts), -1)) for t in tiers]
+        out += [torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (0, 1)]
+    return tuple(out)
 
 
 def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_exl3.codec.hadamard import had_r_128
+from sglang_exl3.layers.moe_kernels import tier_rotations
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -96,17 +97,6 @@ def decode_rotated(tiers, slab: dict, inter: int, hidden: int) -> tuple[torch.Te
     return (gate_up.view(hidden, 2 * e, inter).permute(1, 2, 0), down.view(inter, e, hidden).permute(1, 2, 0))
 
 
-def rotation_tables(tiers) -> tuple[torch.Tensor, ...]:
-    """Per role, suh [E, K] and svh [E, N] of every expert in slab order: (gate suh, gate svh, up suh, up svh, down
-    suh, down svh)."""
-    out = []
-    for role in range(3):
-        suh = torch.cat([tier.dense[role][1] for tier in tiers.tiers])
-        svh = torch.cat([tier.dense[role][2].view(len(tier.experts), -1) for tier in tiers.tiers])
-        out += [suh, svh]
-    return tuple(out)
-
-
 def rotated_forward(weights: tuple[torch.Tensor, torch.Tensor], rotations: tuple[torch.Tensor, ...], x: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, gelu: bool, gemm: GroupedGemm,
                     glue: Glue) -> torch.Tensor:
@@ -170,5 +160,6 @@ def rotated_slab_forward(tiers, slab: dict, inter: int, hidden: int, x: torch.Te
     the Triton GEMM and our glue kernels (or `gemm`, `glue`). fp32 [m, H]."""
     weights = decode_rotated(tiers, slab, inter, hidden)
     gemm = gemm or triton_gemm(x.shape[0], topk_ids.shape[1], tiers.num_experts, inter, hidden)
-    return rotated_forward(weights, rotation_tables(tiers), x, topk_weights, tiers.slab_ids(topk_ids), gelu, gemm,
+    rotations = tiers.rotations or tier_rotations(tiers.tiers)
+    return rotated_forward(weights, rotations, x, topk_weights, tiers.slab_ids(topk_ids), gelu, gemm,
                            glue or cuda_glue())
