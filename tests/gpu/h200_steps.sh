@@ -150,6 +150,12 @@ run_step() {
       2>&1 | tee "$work/moe.txt" | grep -v "^ROW" | tail -14
     cp benchmarks/results/moe-* "$work/" 2>/dev/null
     ;;
+  moeprof)  # benchmarks/moe_profile.py: the MoE layer's kernels one by one, ours and bf16 ($MOEPROF_ARGS)
+    site_env
+    timeout "${MOEPROF_TIMEOUT:-300}" python3 benchmarks/moe_profile.py ${MOEPROF_ARGS:-} 2>&1 |
+      tee "$work/moeprof.txt" | grep -v "^|" | tail -12
+    cp benchmarks/results/moe-profile-* "$work/" 2>/dev/null
+    ;;
   kernbench)  # dense linear anchors: benchmarks/kernels.py with SGLang's GPTQ-Marlin (needs .marlin; $KERNBENCH_SHAPES,
     # one or two shapes per call), then benchmarks/ring_ab.py ($RING_ARGS); logs and results kept in the step's tgz
     site_env
