@@ -203,7 +203,7 @@ run_step() {
       python3 -c "from sglang_exl3.synth.hf_models import make_random_hf_model as m; \
 from sglang_exl3.synth.rank_sliced_writer import write_hybrid_from_hf as w; \
 from sglang_exl3.synth.nextn_writer import write_nextn_from_last_layer as n; \
-n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3), '/tmp/nextn-$arch/full'), '/tmp/nextn-$arch/mtp')" \
+n(w(m('$arch', '/tmp/nextn-$arch/plain', num_hidden_layers=3, hidden_size=512), '/tmp/nextn-$arch/full'), '/tmp/nextn-$arch/mtp')" \
         >"$work/write-$arch.txt" 2>&1 || cat "$work/write-$arch.txt"
       SGLANG_ENABLE_JIT_DEEPGEMM=0 PYTHONPATH=$PYTHONPATH:/tmp/stubs timeout "${SPEC_TIMEOUT:-280}" \
         python3 tests/gpu/spec_lossless.py "$work/$arch" --target "/tmp/nextn-$arch/mtp" --algorithms NEXTN 2>&1 |

@@ -743,3 +743,62 @@ def test_moe_decode_bit_identical_to_the_fused_forward(cb, bits, m, topk, gelu, 
         torch.cuda.synchronize()
         assert torch.equal(sy, routed_moe(x, ids, w, gate, up, down, gelu).to(torch.bfloat16))
     assert not counters.any()
+
+
+@pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3)], ids=["mcg-4", "mul1-3"])
+@pytest.mark.parametrize("m, topk, gelu, id_dtype", [(40, 8, False, torch.int32), (13, 3, True, torch.int64)])
+def test_moe_tiles_bit_identical_to_the_decode_forward(cb, bits, m, topk, gelu, id_dtype):
+    """Expert tiles of up to 8 pairs on the decode forward (moe_tiles, then moe_combine: what sorted_moe runs where
+    its tile is 8 rows) against the per-pair decode forward at the same splits: bit-identical fp32 for bf16 and fp16
+    x, with an expert routed more than 8 times (several tiles), unused tiles, ids of -1 and a token with none of its
+    experts here; sorted_moe on its own splits within rounding; a CUDA graph replays it on fresh routing."""
+    from sglang_exl3.kernels.moe_sorted import sorted_moe, tile_slots
+
+    n_exp, hidden, inter = 10, 512, 384
+    experts = _experts(n_exp, hidden, inter, bits, seed=17 * m + bits)
+    gate, up, down = (ck.make_expert_bank([ck.prepare(e[r][0].cuda()) for e in experts],
+                                          [e[r][1].cuda() for e in experts], [e[r][2].cuda() for e in experts], cb,
+                                          splits=sp) for r, sp in ((0, 2), (1, 2), (2, 3)))
+    gen = torch.Generator().manual_seed(300 + m)
+
+    def case():
+        x = (torch.randn(m, hidden, generator=gen) * 2).bfloat16().cuda()
+        rows = []
+        for t in range(m):
+            perm = torch.randperm(n_exp, generator=gen)
+            if t < 11:  # expert 3 routed by 11+ tokens: two tiles or more
+                perm = torch.cat([torch.tensor([3]), perm[perm != 3]])
+            rows.append(perm[:topk])
+        ids = torch.stack(rows).to(id_dtype)
+        ids[0, -1] = -1
+        ids[-1] = -1  # the last token has no expert on this rank
+        return x, ids.cuda(), torch.rand(m, topk, generator=gen).cuda()
+
+    def tiles(x, flat, wflat):
+        tile_pair, tile_expert, slot = tile_slots(flat, n_exp)
+        y = ck.moe_tiles(x, tile_pair, tile_expert, gate, up, down, topk, gelu, 2, 3)
+        return ck.moe_combine(y, wflat, flat, topk, hidden, rows=slot * hidden)
+
+    counters = ck.decode_counters(m * topk, m, hidden, inter, "cuda")
+    x, ids, w = case()
+    flat, wflat = ids.reshape(-1), w.reshape(-1)
+    want = ck.moe_decode(x, flat, wflat, gate, up, down, topk, gelu, counters, 2, 3)
+    assert torch.equal(want[-1], torch.zeros_like(want[-1])) and torch.isfinite(want).all()
+    for xin in (x, x.half()):
+        got = tiles(xin, flat, wflat)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (xin.dtype, (got - want).abs().max())
+    default = sorted_moe(x, ids, w, gate, up, down, gelu, decode_tiles=True)
+    assert _rel(default.cpu(), want.cpu()) < 1e-3
+
+    sx, sids, sw = x.clone(), flat.clone(), wflat.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = tiles(sx, sids, sw)
+    for _ in range(2):
+        x, ids, w = case()
+        sx.copy_(x), sids.copy_(ids.reshape(-1)), sw.copy_(w.reshape(-1))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ck.moe_decode(x, ids.reshape(-1), w.reshape(-1), gate, up, down, topk, gelu, counters, 2, 3)
+        assert torch.equal(sy.view(torch.int32), want.view(torch.int32))
