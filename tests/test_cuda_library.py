@@ -126,19 +126,6 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_slab_mid(None, None, 8, 8, None, None, None, None, 96, 0, None) == -3  # N not whole blocks
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 0, 256, None) == -3  # top-0
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 4, 320, None) == -3  # H not whole blocks
-    # the expert-tile decode forward: shapes, splits and counters checked before any launch
-    lib.exl3_moe_tiles.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p,
-                                   ctypes.c_longlong, i, i, p]
-
-    def tiles(n=4, hidden=512, inter=384, gu=2, dn=3, counters=4 * 7, k2=8, cb=1):
-        return lib.exl3_moe_tiles(None, 0, None, None, None, None, None, n, 8, hidden, inter, k2, cb, k2, cb, gu, dn,
-                                  None, None, None, None, None, counters, 0, 1, None)
-
-    assert tiles(n=0) == -3  # no tiles
-    assert tiles(hidden=320) == -3  # K not whole 128-blocks
-    assert tiles(gu=3) == -3  # a split of a partial 128-block
-    assert tiles(counters=4 * 7 - 1) == -3  # one counter per tile and 128 columns of each launch
-    assert tiles(k2=9) == -1  # 4.5 bits in MCG
 
 
 @pytest.mark.slow

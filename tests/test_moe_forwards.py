@@ -39,28 +39,6 @@ def test_plan_places_every_pair_in_a_tile_of_its_expert(tokens, topk, experts, t
     assert bool((plan.experts[1:filled] >= plan.experts[:filled - 1]).all())  # experts in order
 
 
-@pytest.mark.parametrize("tokens, topk, experts", [(13, 3, 6), (40, 8, 10), (2, 2, 128)])
-def test_tile_slots_hold_each_pair_once_in_a_tile_of_its_expert(tokens, topk, experts):
-    """moe_tiles' inputs: every routed pair in exactly one slot, of a tile of its own expert, at the slot the combine
-    reads it from; up to TILE_ROWS pairs per tile; empty slots and tiles past the filled ones marked -1."""
-    from sglang_exl3.kernels.moe_sorted import tile_slots
-
-    ids = _routing(tokens, topk, experts, seed=7 * tokens).reshape(-1)
-    tile_pair, tile_expert, slot = tile_slots(ids, experts)
-    rows = ck.TILE_ROWS
-    assert tile_pair.dtype == tile_expert.dtype == torch.int32 and tile_pair.numel() == tile_expert.numel() * rows
-    valid = ids >= 0
-    pairs = torch.arange(ids.numel())
-    assert bool((tile_pair[slot[valid]] == pairs[valid]).all())  # the combine finds each pair where it was put
-    held = tile_pair[tile_pair >= 0].long()
-    assert sorted(held.tolist()) == pairs[valid].tolist()  # each routed pair once, no unrouted one
-    assert bool((tile_expert[slot[valid] // rows] == ids[valid]).all())
-    filled = tile_expert >= 0
-    assert bool((tile_pair.view(-1, rows)[~filled] < 0).all())  # unused tiles hold nothing
-    counts = torch.bincount(ids[valid].long(), minlength=experts)
-    assert int(filled.sum()) == int(((counts + rows - 1) // rows).sum())
-
-
 def test_table_owns_items_for_filled_tiles_only():
     """Two banks over a plan with empty sources: per-source fields (unsplit: the tiles give the parallelism), and
     the items of the second bank start right after the first bank's filled tiles (the kernels binary-search

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 21
+ABI_VERSION = 20
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -242,8 +242,6 @@ def _open_library(path: str) -> ctypes.CDLL:
                                    i, i, p, p]
     lib.exl3_moe_decode.argtypes = [p, i, p, p, p, p, i, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p,
                                     ctypes.c_longlong, i, p, i, i, p]
-    lib.exl3_moe_tiles.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p,
-                                   ctypes.c_longlong, i, i, p]
     lib.exl3_slab_rot_in.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
     lib.exl3_slab_mid.argtypes = [p, p, i, i, p, p, p, p, i, i, p]
     lib.exl3_slab_tail.argtypes = [p, p, i, p, p, p, i, i, i, p]
@@ -1184,48 +1182,6 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
         counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_DTYPES.index(out_dtype), int(pdl),
         _stream(x)), "moe decode")
     return out
-
-
-TILE_ROWS = 8  # pairs per expert tile of moe_tiles: the mma's 8-row group (kTileRows)
-
-
-def moe_tiles(x: torch.Tensor, tile_pair: torch.Tensor, tile_expert: torch.Tensor, gate: Exl3ExpertBank,
-              up: Exl3ExpertBank, down: Exl3ExpertBank, topk: int, gelu: bool, gu_splits: int | None = None,
-              dn_splits: int | None = None, pdl: bool = True) -> torch.Tensor:
-    """fp16 [tiles * TILE_ROWS, H]: the decode forward (two launches) over expert tiles, each routed expert decoded
-    once per tile of up to TILE_ROWS pairs. Slot q of tile q // TILE_ROWS holds pair tile_pair[q] (int32; below 0:
-    empty, its row left unwritten) of expert tile_expert[q // TILE_ROWS] (int32; below 0: an unused tile); its row is
-    that pair's down projection, output-rotated, which moe_combine weighs and sums per token. Each row is
-    bit-identical to what moe_decode computes for its pair at the same splits. x fp16 or bf16 [tokens, H]."""
-    hidden, inter = gate.k_tiles * 16, gate.n_tiles * 16
-    tiles, dev = tile_expert.numel(), x.device
-    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2 or x.shape[1] != hidden or \
-            tile_pair.dtype != torch.int32 or tile_expert.dtype != torch.int32 or \
-            tile_pair.numel() != tiles * TILE_ROWS or tiles == 0:
-        raise ValueError(f"moe_tiles: fp16/bf16 x [tokens, {hidden}], int32 tile_expert [tiles > 0] and tile_pair "
-                         f"[tiles * {TILE_ROWS}]; got x {x.dtype} {tuple(x.shape)}, tile_pair {tile_pair.dtype} "
-                         f"{tile_pair.numel()}, tile_expert {tile_expert.dtype} {tiles}")
-    if (up.k_tiles, up.n_tiles, up.k2, up.codebook) != (gate.k_tiles, gate.n_tiles, gate.k2, gate.codebook) or \
-            (down.k_tiles, down.n_tiles) != (gate.n_tiles, gate.k_tiles):
-        raise ValueError("moe_tiles: gate and up share shape, bits and codebook; down maps the intermediate back")
-    gu = gu_splits or decode_splits(gate.k_tiles, gate.n_tiles, 2 * tiles, dev, least=2)
-    dn = dn_splits or decode_splits(down.k_tiles, down.n_tiles, tiles, dev)
-    if (hidden // 128) % gu or (inter // 128) % dn:
-        raise ValueError(f"moe_tiles: splits must cut K into whole 128-blocks: gu_splits {gu} must divide "
-                         f"{hidden // 128} and dn_splits {dn} must divide {inter // 128}")
-    x = x.contiguous()
-    slots = tiles * TILE_ROWS
-    partial_gu = torch.empty(slots * 2 * gu * inter, dtype=torch.float32, device=dev)
-    xh_dn = torch.empty(slots * inter, dtype=torch.float16, device=dev)
-    partial_dn = torch.empty(slots * dn * hidden, dtype=torch.float32, device=dev)
-    y = torch.empty(slots, hidden, dtype=torch.float16, device=dev)
-    counters = torch.zeros(tiles * (inter // 128 + hidden // 128), dtype=torch.int32, device=dev)
-    _check(load_library().exl3_moe_tiles(
-        x.data_ptr(), int(x.dtype == torch.bfloat16), gate.rows.data_ptr(), up.rows.data_ptr(), down.rows.data_ptr(),
-        tile_pair.contiguous().data_ptr(), tile_expert.contiguous().data_ptr(), tiles, topk, hidden, inter, gate.k2,
-        gate.codebook, down.k2, down.codebook, gu, dn, partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
-        y.data_ptr(), counters.data_ptr(), counters.numel(), int(gelu), int(pdl), _stream(x)), "moe tiles")
-    return y
 
 
 def routed_group(x: torch.Tensor, banks: list[Exl3ExpertBank], ids: torch.Tensor, x_row_div: int = 1) -> torch.Tensor:

@@ -17,7 +17,6 @@ import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
     MAX_FUSED_TOPK,
-    TILE_ROWS,
     Exl3ExpertBank,
     MoeTables,
     act_mul,
@@ -25,7 +24,6 @@ from sglang_exl3.kernels.cuda_trellis import (
     group_run,
     moe_combine,
     moe_fused,
-    moe_tiles,
     pack_tiles_splits,
 )
 
@@ -75,18 +73,6 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
     return SortedPlan(rows=rows, experts=src_expert, filled=tile_end[-1], sources=sources, tile=tile)
 
 
-def tile_slots(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_tiles' inputs for flat routing ids [P]: each slot's pair (int32 [S * TILE_ROWS], -1 for none), each tile's
-    expert (int32 [S], -1 past the filled tiles), and each pair's slot (int64 [P]; ids below 0: slot S * TILE_ROWS,
-    past the end, which moe_combine never reads for them). Device ops with static shapes (sorted_plan's)."""
-    plan = sorted_plan(ids, experts, TILE_ROWS)
-    slots, dev = plan.sources * TILE_ROWS, ids.device
-    tile_pair = torch.full((slots + 1,), -1, dtype=torch.int32, device=dev)  # + the dump slot of ids below 0
-    tile_pair.scatter_(0, plan.rows, torch.arange(ids.numel(), dtype=torch.int32, device=dev))
-    tile_expert = torch.where(torch.arange(plan.sources, device=dev) < plan.filled, plan.experts, -1)
-    return tile_pair[:slots], tile_expert.to(torch.int32), plan.rows
-
-
 def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.Tensor, int, int, int]:
     """GroupSource rows for every (bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), unsplit.
     Columns and partials are laid out for all S sources (static); work items only for the filled ones, numbered
@@ -114,29 +100,22 @@ def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.T
 
 def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
                up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int | None = None,
-               run=group_run, fused: bool = True, decode_tiles: bool = False) -> torch.Tensor:
+               run=group_run, fused: bool = True) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `fused`: the
-    five-launch forward after the sort and gather, or with `decode_tiles` (opt-in: measured slower from 64 rows,
-    moe-tiles-h200) tiles of TILE_ROWS pairs on the two-launch decode forward (moe_tiles, then moe_combine); not
-    `fused`: the stages one by one, where `run` runs a group table (tests pass an emulator of the kernels). Gate and
-    up of other bitrates (R7) run as two groups, unfused."""
+    five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
+    (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused."""
     m, topk = topk_ids.shape
     split = not gate.runs_with(up)
     fused = fused and topk <= MAX_FUSED_TOPK and not split
     ids = flat_routing_ids(topk_ids)
     experts = gate.rows.shape[0]
-    weights = topk_weights.reshape(-1).to(torch.float32)
-    tile = tile or tile_rows(ids.numel(), experts)
-    if fused and decode_tiles:
-        tile_pair, tile_expert, slot = tile_slots(ids, experts)
-        y = moe_tiles(x, tile_pair, tile_expert, gate, up, down, topk, gelu)
-        return moe_combine(y, weights, ids, topk, y.shape[1], rows=slot * y.shape[1])
-    plan = sorted_plan(ids, experts, tile)
+    plan = sorted_plan(ids, experts, tile or tile_rows(ids.numel(), experts))
     tile = plan.tile
     s, inter, hidden = plan.sources, gate.n_tiles * 16, down.n_tiles * 16
     xs = torch.empty(s * tile + 1, x.shape[1], dtype=x.dtype if fused else torch.float16, device=x.device)
     token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
     xs.index_copy_(0, plan.rows, x.index_select(0, token).to(xs.dtype))  # + the dump row for ids below 0
+    weights = topk_weights.reshape(-1).to(torch.float32)
     dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
     if fused:
         gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)

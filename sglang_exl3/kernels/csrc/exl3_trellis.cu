@@ -1770,10 +1770,8 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // a warp with 16-64 tasks (8 rows, 4096-wide K slices) waited out as many L2 latencies in a row. Returns the lane's
 // ldmatrix address, as stage_x does.
 constexpr int kStageBatch = 8;
-// `row_of(r)` points at row r (r < m) of x; rows where `filled(r)` is false are staged as zeros (the empty slots of
-// an expert tile; for contiguous rows it is a constant true, which compiles away).
-template <int MT, typename RowOf, typename Filled>
-__device__ __forceinline__ uint32_t stage_x_rotated_rows(RowOf row_of, Filled filled, int m,
+template <int MT, typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
                                                          const half* __restrict__ suh, int kt0, int kt1,
                                                          uint4* __restrict__ xs) {
   const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1, tasks = rows * blocks;
@@ -1784,8 +1782,8 @@ __device__ __forceinline__ uint32_t stage_x_rotated_rows(RowOf row_of, Filled fi
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
-      if (i < tasks && r < m && filled(r)) {
-        load4_fp16(row_of(r) + b * 128 + lane * 4, v[u]);
+      if (i < tasks && r < m) {
+        load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v[u]);
         sv[u] = *reinterpret_cast<const uint2*>(suh + b * 128 + lane * 4);
       }
     }
@@ -1794,7 +1792,7 @@ __device__ __forceinline__ uint32_t stage_x_rotated_rows(RowOf row_of, Filled fi
       const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
       if (i >= tasks) break;
       half* dst = reinterpret_cast<half*>(xs + r * stride16) + (b * 8 - kt0) * 16;
-      if (r < m && filled(r)) had_in_scaled(v[u], sv[u], dst, lane);
+      if (r < m) had_in_scaled(v[u], sv[u], dst, lane);
       else *reinterpret_cast<uint2*>(dst + lane * 4) = make_uint2(0u, 0u);
     }
   }
@@ -1888,9 +1886,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArg
   const GroupSource& src = (role ? a.up : a.gate)[e];
   const int kt = a.hidden / 16, nt = a.inter / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* xrow = reinterpret_cast<const T*>(a.x) + (size_t)(p / a.topk) * a.hidden;
-  auto stage = [&](int kt0, int kt1) {
-    return stage_x_rotated_rows<1>([=](int) { return xrow; }, [](int) { return true; }, 1, src.suh, kt0, kt1, xs);
-  };
+  auto stage = [&](int kt0, int kt1) { return stage_x_rotated_rows<1>(xrow, 1, a.hidden, src.suh, kt0, kt1, xs); };
   gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, a.partial_gu + (size_t)(p * 2 + role) * S * a.inter, 1, kt,
                                      nt, S, split * nt + jb * kWarps + warp, xs, stage);
   const int j = jb >> 1, c0 = j * 128;
@@ -1989,117 +1985,6 @@ __global__ void __launch_bounds__(kWarps * 32) moe_decode_dn_kernel(MoeDecodeArg
   }
 }
 
-// ---- expert tiles on the decode forward -----------------------------------------------------------------------
-// From ~1.5 pairs per expert most experts are routed several times. Here the pairs are sorted into tiles of up to
-// kTileRows pairs of one expert (the mma's 8-row group: a tile costs the same tensor-core work as one pair), so each
-// routed expert is decoded once per tile, in the decode forward's two launches: gate/up + moe_mid per (tile, 128
-// columns), then down + its output rotation per (tile, 128 columns) into y; moe_combine then sums each token's
-// top-k rows of y in order. Every row's arithmetic is the per-pair forward's (the mma keeps rows apart), so at the
-// same splits the result is bit-identical to moe_decode's fp32 output. Counters: tiles * (inter + hidden) / 128.
-constexpr int kTileRows = 8;
-
-// The decode forward's arguments (`pairs` counting slots, kTileRows per tile; the partials and xh_dn rows per slot;
-// ids, w and out unused) and the tiles. Its own struct: adding fields to MoeDecodeArgs changed the decode kernels'
-// code (a local-memory spill).
-struct MoeTileArgs {
-  MoeDecodeArgs d;
-  const int* tile_pair;    // [tiles * kTileRows]: the pair in each slot, below 0 for none
-  const int* tile_expert;  // [tiles]: the tile's expert, below 0 for an unused tile
-  half* y;                 // [tiles * kTileRows, hidden]: each slot's down projection, output-rotated
-};
-
-// Block (tile s, 64 columns jb, role, split): grid tiles * (inter / 64) * 2 * gu_splits, kWarps warps.
-template <int K2, int CB, typename T>
-__global__ void __launch_bounds__(kWarps * 32) moe_tile_gu_kernel(MoeTileArgs ta) {
-  const MoeDecodeArgs& a = ta.d;
-  extern __shared__ uint4 xs[];
-  __shared__ int flag;
-  pdl_launch_dependents();
-  const int S = a.gu_splits, n64 = a.inter / 64;
-  int b = blockIdx.x;
-  const int split = b % S;
-  b /= S;
-  const int role = b & 1;
-  b >>= 1;
-  const int jb = b % n64, tile = b / n64;
-  const int e = ta.tile_expert[tile];
-  if (e < 0) return;
-  const GroupSource& src = (role ? a.up : a.gate)[e];
-  const int kt = a.hidden / 16, nt = a.inter / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int* slots = ta.tile_pair + (size_t)tile * kTileRows;
-  const T* x = reinterpret_cast<const T*>(a.x);
-  const int topk = a.topk, hidden = a.hidden;
-  auto row_of = [=](int r) { return x + (size_t)(slots[r] / topk) * hidden; };
-  auto filled = [=](int r) { return slots[r] >= 0; };
-  auto stage = [&](int kt0, int kt1) {
-    return stage_x_rotated_rows<1>(row_of, filled, kTileRows, src.suh, kt0, kt1, xs);
-  };
-  const size_t role_stride = (size_t)S * kTileRows * a.inter;  // one role's partials of a tile: [S, rows, inter]
-  float* part = a.partial_gu + (size_t)tile * 2 * role_stride;
-  gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, part + role * role_stride, kTileRows, kt, nt, S,
-                                split * nt + jb * kWarps + warp, xs, stage);
-  const int j = jb >> 1, c0 = j * 128;
-  if (!last_arrival(a.counters + (size_t)tile * (a.inter / 128) + j, 4 * S, &flag)) return;
-  // moe_mid for the tile's rows, a row per warp: gate's and up's output rotations, act * up, down's input rotation
-  for (int r = warp; r < kTileRows; r += kWarps) {
-    half* dst = a.xh_dn + ((size_t)tile * kTileRows + r) * a.inter + c0;
-    if (slots[r] < 0) {  // an empty slot: a zero row, so that its down partials stay finite
-      *reinterpret_cast<uint2*>(dst + lane * 4) = make_uint2(0u, 0u);
-      continue;
-    }
-    half g[4], u[4], act[4];
-    const size_t row = (size_t)r * a.inter + c0, split_stride = (size_t)kTileRows * a.inter;
-    had_out_values<float, true>(part + row, split_stride, S, a.gate[e].svh + c0, lane, g);
-    had_out_values<float, true>(part + role_stride + row, split_stride, S, a.up[e].svh + c0, lane, u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) act[i] = __float2half_rn(moe_act(__half2float(g[i]), a.gelu) * __half2float(u[i]));
-    had_in_values(act, a.down[e].suh + c0, dst, lane);
-  }
-}
-
-// Block (tile s, 64 columns jb of the hidden size, split): grid tiles * (hidden / 64) * dn_splits, kWarps warps.
-template <int K2, int CB>
-__global__ void __launch_bounds__(kWarps * 32) moe_tile_dn_kernel(MoeTileArgs ta) {
-  const MoeDecodeArgs& a = ta.d;
-  extern __shared__ uint4 xs[];
-  __shared__ int flag;
-  const int S = a.dn_splits, n64 = a.hidden / 64;
-  int b = blockIdx.x;
-  const int split = b % S;
-  b /= S;
-  const int jb = b % n64, tile = b / n64;
-  const int e = ta.tile_expert[tile];
-  if (e < 0) return;
-  const GroupSource& src = a.down[e];
-  const int kt = a.inter / 16, nt = a.hidden / 16, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const half* xrows = a.xh_dn + (size_t)tile * kTileRows * a.inter;
-  auto stage = [&](int kt0, int kt1) {  // the tile's rows as stage_x lays them out, read through L2 after the wait
-    pdl_wait();
-    const int row16 = (kt1 - kt0) * 2, stride16 = row16 + 1;
-    for (int i = threadIdx.x; i < kTileRows * row16; i += blockDim.x) {
-      const int r = i / row16, c = i - r * row16;
-      xs[r * stride16 + c] = __ldcg(reinterpret_cast<const uint4*>(xrows + (size_t)r * a.inter + kt0 * 16) + c);
-    }
-    __syncthreads();
-    return (uint32_t)__cvta_generic_to_shared(xs + (lane & 7) * stride16 + ((lane >> 3) & 1));
-  };
-  float* part = a.partial_dn + (size_t)tile * S * kTileRows * a.hidden;
-  gemm_warp<K2, CB, 1, 4, true>(nullptr, src.tiles, part, kTileRows, kt, nt, S, split * nt + jb * kWarps + warp,
-                                xs, stage);
-  const int c0 = (jb >> 1) * 128;
-  int* counter = a.counters + (size_t)a.pairs / kTileRows * (a.inter / 128) + (size_t)tile * (a.hidden / 128) +
-                 (jb >> 1);
-  if (!last_arrival(counter, 2 * S, &flag)) return;
-  for (int r = warp; r < kTileRows; r += kWarps) {
-    if (ta.tile_pair[(size_t)tile * kTileRows + r] < 0) continue;
-    half y[4];
-    had_out_values<float, true>(part + (size_t)r * a.hidden + c0, (size_t)kTileRows * a.hidden, S, src.svh + c0,
-                                lane, y);
-    *reinterpret_cast<uint2*>(ta.y + ((size_t)tile * kTileRows + r) * a.hidden + c0 + lane * 4) =
-        *reinterpret_cast<const uint2*>(y);
-  }
-}
-
 // ---- a dense linear (or a same-input group) in one launch, for decode-sized m ---------------------------------
 constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows the x ring serves
 // exl3_group_linear's three launches in one: each block rotates its K slice of x (whole 128-blocks; every split of
@@ -2127,8 +2012,7 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
   const A* xs_rows0 = x + (size_t)src.x_row * K;
   auto stage = [&](int kt0, int kt1) {
     pdl_wait();
-    return stage_x_rotated_rows<MT>([=](int r) { return xs_rows0 + (size_t)r * K; }, [](int) { return true; }, m,
-                                    src.suh, kt0, kt1, xs);
+    return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
   };
   float* part = partial + src.partial_base * m;
   gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
@@ -2371,10 +2255,9 @@ int launch_variant_reconstruct(const uint32_t* trellis, half* out, int kt, int n
 
 // The decode MoE's launches: x slices of `slice` tiles (one row + the 16-byte skew) in dynamic shared memory;
 // the down launch as a programmatic dependent of the gate/up one when `pdl`.
-template <typename Kernel, typename Args>
-int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t stream, const Args& a,
-                  int rows = 1) {
-  const int smem = xs_smem_bytes(rows, slice, 1);
+template <typename Kernel>
+int launch_decode(Kernel kernel, int blocks, int slice, bool pdl, cudaStream_t stream, const MoeDecodeArgs& a) {
+  const int smem = xs_smem_bytes(1, slice, 1);
   if (smem > kMaxXsSmem) return -3;
   allow_smem(kernel, smem);
   return launch_ex(kernel, dim3(blocks), kWarps, smem, pdl, stream, a);
@@ -2391,22 +2274,6 @@ template <int K2, int CB>
 int launch_variant_decode_dn(const MoeDecodeArgs& a, int pdl, cudaStream_t stream) {
   const int blocks = a.pairs * (a.hidden / 64) * a.dn_splits, slice = a.inter / 16 / a.dn_splits;
   return launch_decode(moe_decode_dn_kernel<K2, CB>, blocks, slice, pdl != 0, stream, a);
-}
-
-template <int K2, int CB>
-int launch_variant_tile_gu(const MoeTileArgs& ta, int x_bf16, cudaStream_t stream) {
-  const MoeDecodeArgs& a = ta.d;
-  const int blocks = a.pairs / kTileRows * (a.inter / 64) * 2 * a.gu_splits, slice = a.hidden / 16 / a.gu_splits;
-  if (x_bf16)
-    return launch_decode(moe_tile_gu_kernel<K2, CB, __nv_bfloat16>, blocks, slice, false, stream, ta, kTileRows);
-  return launch_decode(moe_tile_gu_kernel<K2, CB, half>, blocks, slice, false, stream, ta, kTileRows);
-}
-
-template <int K2, int CB>
-int launch_variant_tile_dn(const MoeTileArgs& ta, int pdl, cudaStream_t stream) {
-  const MoeDecodeArgs& a = ta.d;
-  const int blocks = a.pairs / kTileRows * (a.hidden / 64) * a.dn_splits, slice = a.inter / 16 / a.dn_splits;
-  return launch_decode(moe_tile_dn_kernel<K2, CB>, blocks, slice, pdl != 0, stream, ta, kTileRows);
 }
 
 // Calls F<K2, CB>::run(args...) for the supported (K2, codebook) pairs: whole bits 1..8 in every
@@ -2698,45 +2565,6 @@ int exl3_moe_decode(const void* x, int x_bf16, const void* gate_rows, const void
   EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_decode_dn, (a, pdl, s))
 }
 
-// The decode forward over expert tiles (moe_tile_gu_kernel): tile_pair int32 [tiles * 8] (the pair in each slot,
-// below 0: none), tile_expert int32 [tiles] (below 0: unused); partial_gu fp32 [tiles, 2, gu_splits, 8, inter],
-// xh_dn fp16 [tiles * 8, inter], partial_dn fp32 [tiles, dn_splits, 8, hidden]; y fp16 [tiles * 8, hidden] gets
-// each filled slot's down projection (moe_combine sums them); counters int32, tiles * (inter + hidden) / 128, zero.
-int exl3_moe_tiles(const void* x, int x_bf16, const void* gate_rows, const void* up_rows, const void* down_rows,
-                   const void* tile_pair, const void* tile_expert, int tiles, int topk, int hidden, int inter,
-                   int gu_k2, int gu_codebook, int dn_k2, int dn_codebook, int gu_splits, int dn_splits,
-                   void* partial_gu, void* xh_dn, void* partial_dn, void* y, void* counters, long long counters_len,
-                   int gelu, int pdl, void* stream) {
-  if (tiles <= 0 || topk <= 0 || hidden <= 0 || hidden % 128 || inter <= 0 || inter % 128 || gu_splits <= 0 ||
-      (hidden / 128) % gu_splits || dn_splits <= 0 || (inter / 128) % dn_splits ||
-      counters_len < (long long)tiles * (inter / 128 + hidden / 128))
-    return -3;
-  MoeTileArgs ta{};
-  MoeDecodeArgs& a = ta.d;
-  a.x = x;
-  a.gate = (const GroupSource*)gate_rows;
-  a.up = (const GroupSource*)up_rows;
-  a.down = (const GroupSource*)down_rows;
-  ta.tile_pair = (const int*)tile_pair;
-  ta.tile_expert = (const int*)tile_expert;
-  a.partial_gu = (float*)partial_gu;
-  a.xh_dn = (half*)xh_dn;
-  a.partial_dn = (float*)partial_dn;
-  ta.y = (half*)y;
-  a.counters = (int*)counters;
-  a.pairs = tiles * kTileRows;
-  a.topk = topk;
-  a.hidden = hidden;
-  a.inter = inter;
-  a.gu_splits = gu_splits;
-  a.dn_splits = dn_splits;
-  a.gelu = gelu;
-  auto s = (cudaStream_t)stream;
-  const int code = [&]() -> int { EXL3_DISPATCH(gu_k2, gu_codebook, launch_variant_tile_gu, (ta, x_bf16, s)) }();
-  if (code != 0) return code;
-  EXL3_DISPATCH(dn_k2, dn_codebook, launch_variant_tile_dn, (ta, pdl, s))
-}
-
 // Every bank's rows of routed group tables in one launch (table: int64 [banks * pairs, 8], bank by bank; the banks
 // of several groups, e.g. gate/up then down, each group's offsets starting at 0). `params` is host memory, 8 int64
 // per bank: rows pointer, item0, col0, base0, items, cols, part, x_row_div. `on_host` = 1 runs the same code on
@@ -2888,7 +2716,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 21; }
+int exl3_abi_version(void) { return 20; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
