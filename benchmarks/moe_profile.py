@@ -19,15 +19,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import header, write_results  # noqa: E402
+from benchmarks.common import header, publish_sglang_args, write_results  # noqa: E402
 from benchmarks.moe import EXPERTS, HIDDEN, INTER, ROUTINGS, TOPK, expert_layer, random_expert_tensors, routing  # noqa: E402
 
 COLUMNS = ["m", "forward", "kernel", "us_per_call", "launches_per_call", "share"]
 
 
 def short_name(kernel: str) -> str:
-    """A kernel's name without its argument list and namespaces, template arguments kept (they name the variant)."""
-    name = re.sub(r"\(.*\)$", "", kernel.removeprefix("void "))
+    """A kernel's name without its argument list and namespaces, template arguments kept (they name the variant).
+    Ours live in an anonymous namespace, whose "(anonymous namespace)::" must go before the argument list is cut."""
+    name = kernel.removeprefix("void ").replace("(anonymous namespace)::", "")
+    name = re.sub(r"\([^()]*\)$", "", name)
     return re.sub(r"\b[A-Za-z_]\w*::", "", name)[:90]
 
 
@@ -79,6 +81,7 @@ def main() -> int:
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
 
+    publish_sglang_args()  # fused_experts reads the server's published config, as inside a server
     layer, method, w13, w2 = expert_layer(random_expert_tensors(4))
     cfg = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_size=HIDDEN,
                           intermediate_size_per_partition=INTER, top_k=TOPK, params_dtype=torch.bfloat16,

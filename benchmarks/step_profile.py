@@ -22,8 +22,9 @@ from pathlib import Path
 TRACE_WAIT_S = 120  # SGLang exports the trace after the profiled steps, from its scheduler process
 
 CATEGORIES = [
-    ("exl3 GEMM", r"gemm_ring_kernel|gemm_xs_kernel|gemm_group|gemm_kernel<|moe_decode|moe_mid|moe_tail"),
-    ("exl3 rotations", r"had_in|had_out"),
+    ("exl3 GEMM", r"gemm_ring_kernel|gemm_xs_kernel|gemm_wg_kernel|gemm_group|gemm_kernel<|linear_decode_kernel|"
+                  r"moe_decode|moe_mid|moe_tail"),
+    ("exl3 rotations", r"had_in|had_out|slab_"),  # slab_*: the rotated-slab MoE's per-pair rotations
     ("exl3 reconstruct", r"reconstruct"),
     ("dense GEMM", r"gemm|cutlass|xmma|nvjet|cublas"),
     ("norm", r"rmsnorm|RMSNorm|layernorm|LayerNorm"),

@@ -26,6 +26,7 @@ def test_the_command_uses_the_models_tokenizer_and_fixed_lengths(tmp_path):
     assert args["--tokenizer"] == args["--model"] == str(tmp_path / "model")
     assert (args["--dataset-name"], args["--max-concurrency"], args["--random-range-ratio"]) == ("random-ids", "16",
                                                                                                   "1.0")
+    assert "--tokenize-prompt" in cmd  # ids as ids: as text they were re-tokenized past the context
 
 
 def test_the_summary_is_the_last_line(tmp_path):

@@ -18,6 +18,11 @@ from benchmarks.step_profile import category, trace_breakdown  # noqa: E402
     ("void (anonymous namespace)::gemm_ring_kernel<8, 2, 8, 8, 1>(__half const*, unsigned int const*, float*, int)",
      "exl3 GEMM"),
     ("void (anonymous namespace)::gemm_group_xs_kernel<8, 2, 1, 4>(__half const*, GroupSource const*)", "exl3 GEMM"),
+    # the one-launch linear (rotations inside) and the wgmma ring: both once missed, filed as "other" / "dense GEMM"
+    ("void (anonymous namespace)::linear_decode_kernel<8, 2, 1, 8, __nv_bfloat16>(__nv_bfloat16 const*, GroupSource "
+     "const*, int, float*, int*, __nv_bfloat16*, int, int, int, int)", "exl3 GEMM"),
+    ("void (anonymous namespace)::gemm_wg_kernel<8, 1, 2, 1>(__half const*, unsigned int const*, float*, int)",
+     "exl3 GEMM"),
     ("void (anonymous namespace)::had_out_group_kernel<__nv_bfloat16>(float const*, GroupSource const*)",
      "exl3 rotations"),
     ("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NTN", "dense GEMM"),
