@@ -3,8 +3,9 @@ int4 (group 128: what a Hopper user serves at 4 bits today), HBM roofline.
 
 Every time is a CUDA-graph replay median (benchmarks.common.graph_us), measured side by side in one run;
 each call in a graph reads its own copy of the weights, with enough copies to exceed the 50 MB L2.
-"ours" is the product's path for that m (fused decode GEMM up to the crossover, else reconstruct + cuBLAS);
-both paths are also recorded where both apply, to choose the crossover from data. Marlin's column needs SGLang and
+"ours" is exl3_linear's own dispatch for that m (the x ring, the wgmma ring or the x-slice GEMM up to the
+crossover, else reconstruct + cuBLAS); the plain fused GEMM and the large-m path are also timed forced where they
+apply (`ours_fused_us` bypasses the rings), to choose the crossover from data. Marlin's column needs SGLang and
 its JIT-compiled module (~8 min of nvcc on first use; docs/gpu.md says how to carry a prebuilt one).
 
   python benchmarks/kernels.py [--quick] [--shapes 0,1] [--bits 2,4] [--ms 1,16] [--ext-path DIR] [--tune]
@@ -86,7 +87,7 @@ def _time_or_none(fn, rotations: int) -> float | None:
         return None
 
 
-def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw, fused_max_m) -> dict:
+def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw) -> dict:
     from sglang_exl3.kernels import cuda_trellis as ck
 
     row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label, **anchors}
@@ -103,7 +104,9 @@ def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw, fused_m
             lambda i: ck.one_launch_linear(xs[i % 4], one[i % c].group, one[i % c].counters), c)
     if m >= 16:  # the product's large-m path (exl3_linear's default above the crossover)
         row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct_staged"), c)
-    row["ours_us"] = row.get("ours_fused_us") if m <= fused_max_m else row.get("ours_reconstruct_us")
+    # the product's own choice (exl3_linear with no path: the x ring / wgmma ring / x-slice GEMM by m, the large-m
+    # path above the crossover); the forced paths above bypass the ring, which once made ours_us read 91 µs at m = 64
+    row["ours_us"] = _time_or_none(ours(None), c)
     if ext is not None:
         outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2)]
         had = [torch.empty_like(x) for x in xs]
@@ -318,7 +321,7 @@ def main() -> int:
             for m in ms:
                 xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
                 for cb in CODEBOOKS:
-                    r = bench_row(k, n, m, bits, cb, w, xs, ext, anchors[m], bw, fused_max_m)
+                    r = bench_row(k, n, m, bits, cb, w, xs, ext, anchors[m], bw)
                     rows.append(r)
                     print("ROW " + json.dumps(r), flush=True)  # survives a run cut short (merge with --rows)
             del w
