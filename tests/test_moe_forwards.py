@@ -37,6 +37,9 @@ def test_plan_places_every_pair_in_a_tile_of_its_expert(tokens, topk, experts, t
     assert bool((plan.rows[~valid] == plan.sources * tile).all())  # ids below 0: the dump row, no tile
     filled = int(plan.filled)
     assert bool((plan.experts[1:filled] >= plan.experts[:filled - 1]).all())  # experts in order
+    for x in flat[valid].unique():  # an expert's pairs keep their order: its rows rise with the pair index
+        r = plan.rows[flat == x]
+        assert bool((r[1:] > r[:-1]).all())
 
 
 def test_table_owns_items_for_filled_tiles_only():

@@ -58,14 +58,15 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
     e = ids.reshape(-1).to(torch.int64)
     valid = e >= 0
     e = torch.where(valid, e, experts)  # ids below 0 (another EP rank's expert) sort last, into no tile
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
-    tiles = (counts[:experts] + tile - 1) // tile
+    # each pair's rank among the earlier pairs of its expert (a stable order) from running counts per expert: a
+    # compare, a scan and a gather, where a stable sort took 27 µs of the layer's 460 at 64 rows (H200, moe-profile)
+    seen = (e[:, None] == torch.arange(experts + 1, device=dev)).cumsum(0, dtype=torch.int32)  # [P, E + 1]
+    rank = seen.gather(1, e[:, None]).squeeze(1).to(torch.int64) - 1
+    counts = seen[-1, :experts].to(torch.int64)
+    tiles = (counts + tile - 1) // tile
     tile_end = torch.cumsum(tiles, 0)
     start = torch.cat([tile_end - tiles, tile_end.new_zeros(1)])
-    order = torch.sort(e, stable=True).indices
-    sorted_e = e[order]
-    rank = torch.arange(pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    rows = torch.empty_like(e).scatter_(0, order, start[sorted_e] * tile + rank)
+    rows = start[e] * tile + rank
     sources = max_tiles(pairs, experts, tile)
     rows = torch.where(valid, rows, sources * tile)
     src = torch.arange(sources, device=dev)
