@@ -97,10 +97,9 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
-def graph_us(fn, rotations: int = 1, calls: int = 24, replays: int = 7) -> float:
-    """Median time of one fn(i) call in microseconds, from CUDA-graph replays of `calls` calls cycling over
-    `rotations` input sets: launch and Python overheads drop out, as they do under SGLang's CUDA graphs.
-    Anything that autotunes or allocates on first use runs before the capture."""
+def capture_graph(fn, rotations: int, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn(i) cycling over `rotations` input sets, replayed once. Anything that
+    autotunes or allocates on first use runs before the capture."""
     for i in range(max(rotations, 3)):
         fn(i % rotations)
     torch.cuda.synchronize()
@@ -116,6 +115,13 @@ def graph_us(fn, rotations: int = 1, calls: int = 24, replays: int = 7) -> float
             fn(i % rotations)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(fn, rotations: int = 1, calls: int = 24, replays: int = 7) -> float:
+    """Median time of one fn(i) call in microseconds, from CUDA-graph replays of `calls` calls cycling over
+    `rotations` input sets: launch and Python overheads drop out, as they do under SGLang's CUDA graphs."""
+    graph = capture_graph(fn, rotations, calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):

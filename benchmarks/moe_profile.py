@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import header, publish_sglang_args, write_results  # noqa: E402
+from benchmarks.common import capture_graph, header, publish_sglang_args, write_results  # noqa: E402
 from benchmarks.moe import EXPERTS, HIDDEN, INTER, ROUTINGS, TOPK, expert_layer, random_expert_tensors, routing  # noqa: E402
 
 COLUMNS = ["m", "forward", "kernel", "us_per_call", "launches_per_call", "share"]
@@ -36,20 +36,7 @@ def short_name(kernel: str) -> str:
 def profile_graph(fn, calls: int) -> tuple[dict[str, list[float]], float]:
     """{kernel: [total us, launches]} per call and the mean span of one call, from replays of a graph of `calls`
     calls of fn(i)."""
-    for i in range(3):
-        fn(i % ROUTINGS)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % ROUTINGS)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(fn, ROUTINGS, calls)
     replays = 4
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
