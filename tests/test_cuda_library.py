@@ -126,6 +126,12 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_slab_mid(None, None, 8, 8, None, None, None, None, 96, 0, None) == -3  # N not whole blocks
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 0, 256, None) == -3  # top-0
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 4, 320, None) == -3  # H not whole blocks
+    lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
+    one = (ctypes.c_longlong * 4)(1, 48, 0, 0)  # a bank: rows pointer, n_tiles, items and columns before it
+    assert lib.exl3_sorted_tables(one, 0, 1, 1, 4, 8, 1, 1, None) == -3  # no banks
+    assert lib.exl3_sorted_tables(one, 1, 1, 1, 0, 8, 1, 1, None) == -3  # no sources
+    assert lib.exl3_sorted_tables(one, 1, None, 1, 4, 8, 1, 1, None) == -3  # no tile experts
+    assert lib.exl3_sorted_tables((ctypes.c_longlong * 4)(1, 0, 0, 0), 1, 1, 1, 4, 8, 1, 1, None) == -3  # 0 tiles
 
 
 @pytest.mark.slow

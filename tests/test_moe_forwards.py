@@ -12,7 +12,7 @@ from moe_reference import codec_moe
 from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format import Codebook
 from sglang_exl3.kernels import cuda_trellis as ck
-from sglang_exl3.kernels.moe_sorted import max_tiles, sorted_plan, sorted_table
+from sglang_exl3.kernels.moe_sorted import max_tiles, sorted_plan, sorted_tables
 
 
 def _routing(tokens: int, topk: int, experts: int, seed: int, drop: int = 2) -> torch.Tensor:
@@ -52,7 +52,8 @@ def test_table_owns_items_for_filled_tiles_only():
              for b, (nt, sp) in enumerate(((48, 8), (16, 2)))]
     ids = torch.tensor([[0, 3], [3, 1], [4, 3], [-1, 0]], dtype=torch.int32)
     plan = sorted_plan(ids.reshape(-1), experts, tile)
-    table, items, cols, part = sorted_table(banks, plan)
+    (t,) = sorted_tables([banks], plan)
+    table, items, cols, part = t.table, t.items, t.cols, t.part
     s, filled = plan.sources, int(plan.filled)
     assert filled == 4 and s == max_tiles(8, experts, tile) == 6  # experts 0, 1, 3, 4: one tile each
     assert (items, cols, part) == (s * (48 + 16), s * (768 + 256), s * (768 + 256))
@@ -67,6 +68,26 @@ def test_table_owns_items_for_filled_tiles_only():
     assert table[s:, 5].tolist() == [first_up_item + i * 16 for i in range(filled)] + \
         [first_up_item + filled * 16] * (s - filled)
     assert table[s:, 6].tolist() == [s * 768 + i * 256 for i in range(s)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens, topk, experts, tile", [(40, 8, 12, 8), (9, 2, 4, 1), (30, 3, 6, 16)])
+def test_library_tables_equal_the_torch_reference(compiled_lib, monkeypatch, tokens, topk, experts, tile):
+    """sorted_tables in one library launch (its host mode: the kernel's own per-row code) against the torch
+    reference, for the fused forward's two groups (gate + up, down) and R7's three (gate, up, down) of unequal widths,
+    with ids of -1 and empty sources."""
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
+    gate, up, down = (ck.Exl3ExpertBank(rows=ck.bank_rows([(1000 * r + e, 2000 * r + e, 3000 * r + e)
+                                                            for e in range(experts)], nt, 1),
+                                        n_tiles=nt, k_tiles=16, splits=1, k2=4, codebook=1)
+                      for r, nt in enumerate((48, 40, 16)))
+    plan = sorted_plan(_routing(tokens, topk, experts, seed=tokens).reshape(-1), experts, tile)
+    assert int(plan.filled) < plan.sources  # some sources are empty
+    for groups in ([[gate, up], [down]], [[gate], [up], [down]]):
+        want = sorted_tables(groups, plan)
+        got = sorted_tables(groups, plan, ck.sorted_table_builder(on_host=True))
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(g.table, w.table) and (g.items, g.cols, g.part) == (w.items, w.cols, w.part)
 
 
 def test_tile_rows_follow_the_mean_pairs_per_expert():
@@ -143,19 +164,21 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
 
 
 @pytest.mark.slow
-def test_kernel_lookup_skips_empty_sources(compiled_lib):
+def test_kernel_lookup_skips_empty_sources(compiled_lib, monkeypatch):
     """The library's own source lookup (host probe) over a sorted table: the up bank's first item lands on its
     first tile, not on the gate bank's empty sources that share its item_begin; items past the filled tiles land
     on an empty source (n_tiles 0: the GEMM returns at once); columns stay static per source."""
     import ctypes
 
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))  # the tables from the library's own launch
     lib = ctypes.CDLL(str(compiled_lib))
     lib.exl3_group_probe.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
                                      ctypes.c_void_p]
     banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(5)], 48, 8),
                                n_tiles=48, k_tiles=16, splits=8, k2=4, codebook=1) for b in range(2)]
     plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), 5, 8)
-    table, items, cols, _ = sorted_table(banks, plan)
+    (t,) = sorted_tables([banks], plan, ck.sorted_table_builder(on_host=True))
+    table, items, cols = t.table, t.items, t.cols
     s, filled, per = plan.sources, int(plan.filled), 48  # unsplit: one item per column tile
 
     def probe(item, col):

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 20
+ABI_VERSION = 21
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -236,6 +236,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
     lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
+    lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
@@ -925,6 +926,22 @@ def routed_table_builder(on_host: bool = False):
         stream = None if on_host else _stream(ids)
         _check(lib.exl3_routed_tables(host, len(banks), ids.data_ptr(), _ids_bytes(ids), ids.shape[0],
                                       table.data_ptr(), int(on_host), stream), "routed tables")
+    return build
+
+
+def sorted_table_builder(on_host: bool = False):
+    """The library's one-launch builder of expert-sorted tables for all banks (kernels/moe_sorted.py sorted_tables;
+    `on_host`: the same code over host memory, for tests without a GPU)."""
+    lib = load_library()
+
+    def build(banks, experts, filled, tile, params, table):
+        flat = []
+        for b, (items_before, cols_before) in zip(banks, params, strict=True):
+            flat += [b.rows.data_ptr(), b.n_tiles, items_before, cols_before]
+        host = (ctypes.c_longlong * len(flat))(*flat)
+        _check(lib.exl3_sorted_tables(host, len(banks), experts.data_ptr(), filled.data_ptr(), experts.shape[0], tile,
+                                      table.data_ptr(), int(on_host), None if on_host else _stream(table)),
+               "sorted tables")
     return build
 
 

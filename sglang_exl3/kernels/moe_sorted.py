@@ -25,6 +25,7 @@ from sglang_exl3.kernels.cuda_trellis import (
     moe_combine,
     moe_fused,
     pack_tiles_splits,
+    sorted_table_builder,
 )
 
 MIN_TILE_ROWS, MAX_TILE_ROWS = 8, 64  # the fused kernel's row groups: 8 .. 64 rows per source
@@ -74,37 +75,61 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
     return SortedPlan(rows=rows, experts=src_expert, filled=tile_end[-1], sources=sources, tile=tile)
 
 
-def sorted_table(banks: list[Exl3ExpertBank], plan: SortedPlan) -> tuple[torch.Tensor, int, int, int]:
-    """GroupSource rows for every (bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), unsplit.
+@dataclass(frozen=True)
+class SortedTable:
+    table: torch.Tensor  # int64 [banks * S, 8]: GroupSource rows, bank by bank
+    items: int  # static totals of the group: work items, output columns, partial elements
+    cols: int
+    part: int
+
+
+def sorted_tables(groups: list[list[Exl3ExpertBank]], plan: SortedPlan, build=None) -> list[SortedTable]:
+    """GroupSource rows for every (group, bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), unsplit.
     Columns and partials are laid out for all S sources (static); work items only for the filled ones, numbered
-    bank by bank, and the empty sources (n_tiles = 0) own none. Returns the table and the static item, column and
-    partial totals."""
-    s, dev = plan.sources, plan.experts.device
-    src = torch.arange(s, device=dev)
-    live = src < plan.filled
-    table = torch.empty(len(banks) * s, 8, dtype=torch.int64, device=dev)
-    item_off = torch.zeros((), dtype=torch.int64, device=dev)
-    items_total = cols_total = part_total = 0
-    for i, b in enumerate(banks):
-        items, cols = b.n_tiles, b.n_tiles * 16  # unsplit: one item per column tile, partials one [tile, N] block
+    bank by bank, and the empty sources (n_tiles = 0) own none; each group's from 0. `build(banks, experts, filled,
+    tile, params, table)` fills one table for every bank of every group, params holding per bank the items and
+    columns of the banks before it in its group (default: the torch reference; `sorted_table_builder` is the
+    library's one launch)."""
+    s, banks, params, sizes = plan.sources, [], [], []
+    for group in groups:
+        items = cols = 0  # unsplit: one work item per column tile; partials one [tile, N] block per source
+        for b in group:
+            params.append((items, cols))
+            items, cols = items + b.n_tiles, cols + s * b.n_tiles * 16
+        sizes.append((len(group), s * items, cols))
+        banks += group
+    table = torch.empty(len(banks) * s, 8, dtype=torch.int64, device=plan.experts.device)
+    (build or _torch_sorted_rows)(banks, plan.experts, plan.filled, plan.tile, params, table)
+    out, at = [], 0
+    for num, items, cols in sizes:
+        out.append(SortedTable(table=table[at * s:(at + num) * s], items=items, cols=cols, part=cols))
+        at += num
+    return out
+
+
+def _torch_sorted_rows(banks: list[Exl3ExpertBank], experts: torch.Tensor, filled: torch.Tensor, tile: int,
+                       params: list[tuple[int, int]], table: torch.Tensor) -> None:
+    """The reference for the library's sorted_tables_kernel (one launch for all banks)."""
+    s = experts.shape[0]
+    src = torch.arange(s, device=experts.device)
+    live = src < filled
+    for i, (b, (items_before, cols_before)) in enumerate(zip(banks, params, strict=True)):
         out = table[i * s:(i + 1) * s]
-        out[:, :3] = b.rows.index_select(0, plan.experts)[:, :3]
+        out[:, :3] = b.rows.index_select(0, experts)[:, :3]
         out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, 1), pack_tiles_splits(0, 1))
-        out[:, 4] = src * plan.tile
-        out[:, 5] = item_off + torch.minimum(src, plan.filled) * items
-        out[:, 6] = cols_total + src * cols
-        out[:, 7] = part_total + src * cols
-        item_off = item_off + plan.filled * items
-        items_total, cols_total, part_total = items_total + s * items, cols_total + s * cols, part_total + s * cols
-    return table, items_total, cols_total, part_total
+        out[:, 4] = src * tile
+        out[:, 5] = filled * items_before + torch.minimum(src, filled) * b.n_tiles
+        out[:, 6] = cols_before + src * (b.n_tiles * 16)
+        out[:, 7] = out[:, 6]
 
 
 def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
                up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int | None = None,
-               run=group_run, fused: bool = True) -> torch.Tensor:
+               run=group_run, fused: bool = True, build=None) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `fused`: the
     five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
-    (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused."""
+    (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused. The
+    tables come from `build` (sorted_tables; default: the library's one launch for CUDA x, torch for CPU x)."""
     m, topk = topk_ids.shape
     split = not gate.runs_with(up)
     fused = fused and topk <= MAX_FUSED_TOPK and not split
@@ -117,25 +142,25 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
     xs.index_copy_(0, plan.rows, x.index_select(0, token).to(xs.dtype))  # + the dump row for ids below 0
     weights = topk_weights.reshape(-1).to(torch.float32)
-    dn_table, dn_items, dn_cols, dn_part = sorted_table([down], plan)
+    build = build or (sorted_table_builder() if x.is_cuda else None)
+    groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
+    *gu, dn = sorted_tables([*groups, [down]], plan, build)  # every table in one launch
     if fused:
-        gu_table, gu_items, gu_cols, gu_part = sorted_table([gate, up], plan)
-        tables = MoeTables(gate_up=gu_table, down=dn_table, sources=s, rows=tile, gate_up_items=gu_items,
-                           gate_up_partial=gu_part, down_items=dn_items, down_partial=dn_part,
+        (gu,) = gu
+        tables = MoeTables(gate_up=gu.table, down=dn.table, sources=s, rows=tile, gate_up_items=gu.items,
+                           gate_up_partial=gu.part, down_items=dn.items, down_partial=dn.part,
                            gate_up_slice=gate.k_tiles, down_slice=down.k_tiles)  # unsplit sources
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
-    groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
-    gate_up = torch.cat([_run_group(run, xs, banks, plan) for banks in groups], dim=1)
+    gate_up = torch.cat([_run_group(run, xs, banks, t, tile) for banks, t in zip(groups, gu, strict=True)], dim=1)
     act = act_mul(gate_up, s, inter, gelu)  # [S * tile, I]: source-major, the sorted row order again
-    y = run(act, dn_table, s, tile, down.k_tiles, dn_items, dn_cols, dn_part, down.k2, down.codebook)  # [tile, S * H]
+    y = run(act, dn.table, s, tile, down.k_tiles, dn.items, dn.cols, dn.part, down.k2, down.codebook)  # [tile, S * H]
     offsets = (plan.rows % tile) * (s * hidden) + torch.div(plan.rows, tile, rounding_mode="floor") * hidden
     offsets = torch.where(ids >= 0, offsets, 0)
     return moe_combine(y, weights, ids, topk, hidden, rows=offsets)
 
 
-def _run_group(run, xs: torch.Tensor, banks: list[Exl3ExpertBank], plan: SortedPlan) -> torch.Tensor:
+def _run_group(run, xs: torch.Tensor, banks: list[Exl3ExpertBank], table: SortedTable, tile: int) -> torch.Tensor:
     """One group launch over the sorted tiles for banks that share bits and codebook."""
-    table, items, cols, part = sorted_table(banks, plan)
     first = banks[0]
-    return run(xs, table, len(banks) * plan.sources, plan.tile, first.k_tiles, items, cols, part, first.k2,
-               first.codebook)
+    return run(xs, table.table, table.table.shape[0], tile, first.k_tiles, table.items, table.cols, table.part,
+               first.k2, first.codebook)

@@ -687,6 +687,42 @@ def test_fused_moe_bit_identical_to_its_stages(path, m, topk, gelu, id_dtype, cb
     assert torch.isfinite(staged).all()
 
 
+@pytest.mark.parametrize("tokens, topk, experts, tile", [(64, 8, 128, 8), (300, 2, 8, 64), (5, 3, 6, 8)])
+def test_sorted_tables_on_the_device_equal_the_torch_reference(tokens, topk, experts, tile):
+    """The expert-sorted tables in one device launch (the filled count read on the device) against the torch
+    reference: the fused forward's groups and R7's, ids of -1, empty sources; and inside a CUDA graph, on fresh
+    routing."""
+    from sglang_exl3.kernels.moe_sorted import sorted_plan, sorted_tables
+
+    gate, up, down = (ck.Exl3ExpertBank(rows=ck.bank_rows([(1000 * r + e, 2000 * r + e, 3000 * r + e)
+                                                            for e in range(experts)], nt, 1).cuda(),
+                                        n_tiles=nt, k_tiles=16, splits=1, k2=4, codebook=1)
+                      for r, nt in enumerate((48, 40, 16)))
+    gen = torch.Generator().manual_seed(tokens)
+
+    def routing():
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).to(torch.int32)
+        ids.view(-1)[:3] = -1
+        return ids.reshape(-1).cuda()
+
+    build = ck.sorted_table_builder()
+    for groups in ([[gate, up], [down]], [[gate], [up], [down]]):
+        plan = sorted_plan(routing(), experts, tile)
+        for w, g in zip(sorted_tables(groups, plan), sorted_tables(groups, plan, build), strict=True):
+            assert torch.equal(g.table, w.table) and (g.items, g.cols, g.part) == (w.items, w.cols, w.part)
+    ids = routing()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sorted_tables([[gate, up], [down]], sorted_plan(ids, experts, tile), build)
+    ids.copy_(routing())
+    graph.replay()
+    torch.cuda.synchronize()
+    want = sorted_tables([[gate, up], [down]], sorted_plan(ids, experts, tile))
+    for w, g in zip(want, captured, strict=True):
+        assert torch.equal(g.table, w.table)
+
+
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)],
                          ids=["mcg-4", "mul1-3", "3inst-2"])
 @pytest.mark.parametrize("m, topk, gelu, id_dtype", [(1, 8, False, torch.int32), (3, 2, True, torch.int64)])

@@ -1048,6 +1048,35 @@ __global__ void routed_tables_kernel(RoutedBanks b, const void* ids, int ids_byt
   if (p < pairs) routed_source(b, bank, ids, ids_bytes, p, table + ((long long)bank * pairs + p) * 8);
 }
 
+// Expert-sorted tiles' group tables (kernels/moe_sorted.py sorted_tables) in one launch for every bank: row (bank, s)
+// is tile s's expert's tiles / suh / svh, n_tiles | 1 << 32 (unsplit; no tiles past the `filled` ones), x rows from
+// s * tile, its first work item (numbered over the filled tiles, bank by bank within its group), its first output
+// column and partial element (laid out for every tile). The torch ops this replaces were ~14 launches per bank.
+struct SortedBanks {  // by value: a captured launch keeps its own copy
+  const long long* rows[kMaxRoutedBanks];
+  long long n_tiles[kMaxRoutedBanks], items_before[kMaxRoutedBanks], cols_before[kMaxRoutedBanks];
+};
+
+__host__ __device__ __forceinline__ void sorted_source(const SortedBanks& b, int bank, const long long* src_expert,
+                                                       long long filled, long long s, int tile,
+                                                       long long* __restrict__ out) {
+  const long long* r = b.rows[bank] + src_expert[s] * 8;
+  const long long n = b.n_tiles[bank];
+  out[0] = r[0];
+  out[1] = r[1];
+  out[2] = r[2];
+  out[3] = (s < filled ? n : 0) | (1LL << 32);
+  out[4] = s * tile;
+  out[5] = filled * b.items_before[bank] + (s < filled ? s : filled) * n;
+  out[6] = out[7] = b.cols_before[bank] + s * n * 16;
+}
+
+__global__ void sorted_tables_kernel(SortedBanks b, const long long* src_expert, const long long* filled, int sources,
+                                     int tile, long long* __restrict__ table) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x, bank = blockIdx.y;
+  if (s < sources) sorted_source(b, bank, src_expert, *filled, s, tile, table + ((long long)bank * sources + s) * 8);
+}
+
 // MoE glue around the routed GEMMs, one launch each (the torch ops they replace cost a launch apiece: at decode
 // sizes a launch costs more than the work). fp32 math, as the torch reference computes it.
 __host__ __device__ __forceinline__ float moe_act(float g, int gelu) {
@@ -2592,6 +2621,36 @@ int exl3_routed_tables(const long long* params, int banks, const void* ids, int 
   return (int)cudaGetLastError();
 }
 
+// Every bank's rows of expert-sorted tables in one launch (table: int64 [banks * sources, 8], bank by bank).
+// `params` is host memory, 4 int64 per bank: rows pointer, n_tiles, the items and the columns of the banks before it
+// in its group (per filled tile and per tile). src_expert: int64 [sources]; filled: one int64, both on the device
+// (`on_host` = 1: host memory, the same code, for tests).
+int exl3_sorted_tables(const long long* params, int banks, const void* src_expert, const void* filled, int sources,
+                       int tile, void* table, int on_host, void* stream) {
+  if (banks <= 0 || banks > kMaxRoutedBanks || sources <= 0 || tile <= 0 || !src_expert || !filled || !table)
+    return -3;
+  SortedBanks b{};
+  for (int i = 0; i < banks; ++i) {
+    const long long* q = params + i * 4;
+    if (!q[0] || q[1] <= 0 || q[2] < 0 || q[3] < 0) return -3;
+    b.rows[i] = (const long long*)q[0];
+    b.n_tiles[i] = q[1];
+    b.items_before[i] = q[2];
+    b.cols_before[i] = q[3];
+  }
+  auto e = (const long long*)src_expert;
+  auto out = (long long*)table;
+  if (on_host) {
+    const long long f = *(const long long*)filled;
+    for (int i = 0; i < banks; ++i)
+      for (int s = 0; s < sources; ++s) sorted_source(b, i, e, f, s, tile, out + ((long long)i * sources + s) * 8);
+    return 0;
+  }
+  const dim3 grid((sources + 127) / 128, banks);
+  sorted_tables_kernel<<<grid, 128, 0, (cudaStream_t)stream>>>(b, e, (const long long*)filled, sources, tile, out);
+  return (int)cudaGetLastError();
+}
+
 // out fp16 [sources * rows, n] = act(gate) * up for the fp16 [rows, 2 * sources * n] output of a two-bank group
 // (silu, or gelu's tanh approximation when `gelu`), rows regrouped source by source.
 int exl3_act_mul(const void* gate_up, void* out, int sources, int rows, int n, int gelu, int on_host, void* stream) {
@@ -2716,7 +2775,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 20; }
+int exl3_abi_version(void) { return 21; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
