@@ -127,6 +127,9 @@ def main() -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--workdir", default="/tmp/e2e")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--twin", choices=["dequantized", "weightless"], default="dequantized",
+                    help="the bf16 twin: the EXL3 weights dequantized, or the same config served with SGLang's "
+                         "--load-format dummy (speed only; for shapes whose bf16 weights do not fit the disk)")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
                     help="qwen3-30b-a3b: the MoE shape (15 GB at 4 bpw; its bf16 twin, 61 GB, needs --workdir on a "
                          "disk that holds it)")
@@ -179,13 +182,21 @@ def main() -> int:
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
                                   {**exl3_env, **env}, work, 32200 + j, serving=serving))
-        if i == 0 and not args.skip_bf16:
+        if i == 0 and not args.skip_bf16 and args.twin == "dequantized":
             dense = work / f"{args.shape}-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
             add(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"], {},
                                   work, 32100, args.profile_steps, serving))
+        elif i == 0 and not args.skip_bf16:  # the same config with random bf16 weights: speed only
+            from sglang_exl3.tools.dequantize import write_weightless_twin
+
+            dense = work / f"{args.shape}-bf16-weightless"
+            if not dense.exists():
+                write_weightless_twin(ckpt, dense)
+            add(serve_and_measure(dense, "bf16 (same config, random weights)", ["--dtype", "bfloat16",
+                                  "--load-format", "dummy"], {}, work, 32100, args.profile_steps, serving))
     return 0
 
 

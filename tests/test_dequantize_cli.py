@@ -192,3 +192,21 @@ def test_write_fixture_refuses_a_non_positive_override(tmp_path, option, value):
     r = run("write-fixture", str(out), option, value)
     assert r.returncode == 2 and f"argument {option}: must be a positive integer" in r.stderr
     assert not out.exists()
+
+
+def test_a_weightless_twin_is_the_config_and_side_files_only(tmp_path):
+    """The speed-only twin (served with --load-format dummy): the dequantized checkpoint's config (no quantization
+    block, bf16) and tokenizer, no weights; it refuses a folder that is not empty."""
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+    from sglang_exl3.tools.dequantize import write_weightless_twin
+
+    ckpt = write_exl3_checkpoint(tmp_path / "c", "qwen3_moe", dims=ModelDims(num_hidden_layers=1, vocab_size=512),
+                                 bits=4, codebook="mcg")
+    twin = write_weightless_twin(ckpt, tmp_path / "twin")
+    config = json.loads((twin / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert config["architectures"] == json.loads((ckpt / "config.json").read_text())["architectures"]
+    assert (twin / "tokenizer.json").exists() and not list(twin.glob("*.safetensors*"))
+    assert not (twin / "quantization_config.json").exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_weightless_twin(ckpt, twin)

@@ -145,8 +145,27 @@ def dequantize_checkpoint(
             tensors = {name: t.to(target) if t.is_floating_point() else t}
         packer.add(tensors)
     names = packer.save(out)
+    _write_side_files(ckpt, out, dtype)
+    return {"exl3_modules": len(keys), "plain_tensors": len(plain), "shards": names, "dtype": dtype}
+
+
+def write_weightless_twin(ckpt_path: str | Path, out_path: str | Path, dtype: str = "bfloat16") -> Path:
+    """The dequantized checkpoint's config and side files (tokenizer, generation config) without its weights: a twin
+    for speed alone, which SGLang serves with `--load-format dummy` (random weights: the same kernels at the same
+    sizes). For shapes whose dense weights do not fit the disk beside the EXL3 checkpoint (Qwen3-30B-A3B: ~61 GB in
+    bf16 on a 64 GB disk). OUT must be empty."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_path)
+    _check_out_dir(out)
+    ckpt = load_checkpoint(ckpt_path)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_side_files(ckpt, out, dtype)
+    return out
+
+
+def _write_side_files(ckpt, out: Path, dtype: str) -> None:
     (out / CONFIG_NAME).write_text(json.dumps(_out_config(ckpt.config, dtype), indent=2))
     for f in sorted(ckpt.path.iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_FILES:
             shutil.copy2(f, out / f.name)
-    return {"exl3_modules": len(keys), "plain_tensors": len(plain), "shards": names, "dtype": dtype}

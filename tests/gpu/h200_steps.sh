@@ -44,7 +44,8 @@
 #                                         the spec-train target (after spec-train and spec-convert; $ENCODE_ARGS)
 # cartridges                              benchmarks/cartridges.py: cartridges loaded / deactivated under SGLang's load
 #                                         generator with injected faults, per SGLANG_EXL3_CARTRIDGES mode ($CART_ARGS)
-# e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw, no bf16 twin)
+# e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw) against a bf16
+#                                         twin of random weights (--twin weightless: ~61 GB would not fit the disk)
 # Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
 # ~50 s per bitrate (6 m values); one parity checkpoint ~3.5 min for the first server of a machine (SGLang's JIT
@@ -327,8 +328,8 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
   e2e-moe)
     site_env
     stop_servers
-    timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --shape qwen3-30b-a3b --bits 4 --backend cuda --skip-bf16 \
-      --workdir /tmp/e2e 2>&1 | tee "$work/e2e.txt" | tail -20
+    timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --shape qwen3-30b-a3b --bits 4 --backend cuda \
+      --twin weightless --workdir /tmp/e2e ${E2E_ARGS:-} 2>&1 | tee "$work/e2e.txt" | tail -20
     cp benchmarks/results/e2e-qwen3-30b-a3b-* "$work/" 2>/dev/null
     ;;
   *)
