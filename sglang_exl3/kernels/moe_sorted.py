@@ -58,7 +58,7 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
     dev = ids.device
     e = ids.reshape(-1).to(torch.int64)
     valid = e >= 0
-    e = torch.where(valid, e, experts)  # ids below 0 (another EP rank's expert) sort last, into no tile
+    e = torch.where(valid, e, experts)  # ids below 0 (another EP rank's expert) count as expert E: no tile
     # each pair's rank among the earlier pairs of its expert (a stable order) from running counts per expert: a
     # compare, a scan and a gather, where a stable sort took 27 µs of the layer's 460 at 64 rows (H200, moe-profile)
     seen = (e[:, None] == torch.arange(experts + 1, device=dev)).cumsum(0, dtype=torch.int32)  # [P, E + 1]
