@@ -6,7 +6,9 @@ speculation, token for token, served by SGLang with CUDA graphs on. Also structu
 Per algorithm one server: NGRAM (no draft), EAGLE (a random BF16 draft, `synth/eagle_writer.py`: the target's EXL3
 lm_head and embedding are shared with it at SGLang's hand-over), STANDALONE (the target itself as an EXL3 draft, an
 upper bound on acceptance). A token may differ only where the baseline's top two were within TOL (the verify pass
-runs m = batch x draft tokens rows, whose fp16 sums may round differently); every such place is recorded.
+runs m = batch x draft tokens rows, whose fp16 sums may round differently), or, on an MoE target, after a token the
+two servers routed to different experts (both return their routes: the same rounding decides a router near-tie);
+every such place is recorded.
 Accept length = completion tokens / verify passes. Writes OUT/spec-lossless.json; exits non-zero on a failure.
 
   python tests/gpu/spec_lossless.py OUT --target CKPT [--algorithms NGRAM,EAGLE,STANDALONE]
@@ -25,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.routed_experts import moe_shape  # noqa: E402
 from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, structured, structured_ok  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
@@ -44,9 +47,9 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def greedy(base: str, top: bool) -> list[dict]:
+def greedy(base: str, top: bool, routed: bool = False) -> list[dict]:
     payload = {"input_ids": prompts(), "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
-                                                           "ignore_eos": True}}
+                                                           "ignore_eos": True}, "return_routed_experts": routed}
     if top:
         payload.update(return_logprob=True, top_logprobs_num=2)
     return post(base + "/generate", payload, timeout=600)
@@ -84,19 +87,22 @@ def main() -> int:
               "target": str(target), "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "tolerance_nats": TOL,
               "spec_args": SPEC, "runs": {}}
     ok = True
-    proc, base, ready = serve(target, 34000, [], out / "server-baseline.log")
+    moe = moe_shape(target)
+    routed = ["--enable-return-routed-experts"] if moe else []
+    proc, base, ready = serve(target, 34000, routed, out / "server-baseline.log")
     try:
-        want = greedy(base, top=True)
+        want = greedy(base, top=True, routed=bool(moe))
         report["runs"]["none"] = {"ready_s": ready, "structured": structured(base)}
     finally:
         stop(proc)
     for i, name in enumerate(a for a in args.algorithms.split(",") if a):
         entry = report["runs"].setdefault(name, {})
         try:
-            proc, base, entry["ready_s"] = serve(target, 34001 + i, algorithms[name], out / f"server-{name}.log")
+            proc, base, entry["ready_s"] = serve(target, 34001 + i, [*routed, *algorithms[name]],
+                                                 out / f"server-{name}.log")
             try:
-                got = greedy(base, top=True)
-                entry.update(compare(want, got))
+                got = greedy(base, top=True, routed=bool(moe))
+                entry.update(compare(want, got, moe))
                 verify = sum(o["meta_info"].get("spec_verify_ct", 0) or 0 for o in got)
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in got)
                 entry["accept_length"] = tokens / verify if verify else None
@@ -114,6 +120,7 @@ def main() -> int:
         print(name, "PASS" if passed else "FAIL", json.dumps({k: v for k, v in entry.items()
                                                               if k in ("identical", "accept_length", "error")}),
               f"near_ties={len(entry.get('near_ties', []))} failures={len(entry.get('failures', []))}",
+              f"after_routing_difference={len(entry.get('after_routing_difference', []))}",
               json.dumps({k: v for k, v in entry.get("structured", {}).items() if k.endswith(("_ok", "_same"))}),
               flush=True)
         (out / "spec-lossless.json").write_text(json.dumps({**report, "passed": ok}, indent=1))
