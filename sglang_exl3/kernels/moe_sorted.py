@@ -139,8 +139,8 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     tile = plan.tile
     s, inter, hidden = plan.sources, gate.n_tiles * 16, down.n_tiles * 16
     xs = torch.empty(s * tile + 1, x.shape[1], dtype=x.dtype if fused else torch.float16, device=x.device)
-    token = torch.div(torch.arange(ids.numel(), device=x.device), topk, rounding_mode="floor")
-    xs.index_copy_(0, plan.rows, x.index_select(0, token).to(xs.dtype))  # + the dump row for ids below 0
+    pair_x = x.to(xs.dtype).unsqueeze(1).expand(-1, topk, -1).reshape(-1, x.shape[1])  # pair p: x[p // top-k]
+    xs.index_copy_(0, plan.rows, pair_x)  # + the dump row for ids below 0
     weights = topk_weights.reshape(-1).to(torch.float32)
     build = build or (sorted_table_builder() if x.is_cuda else None)
     groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
