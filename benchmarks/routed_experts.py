@@ -31,8 +31,6 @@ def first_routing_difference(a: np.ndarray | None, b: np.ndarray | None) -> tupl
     return (int(idx[0]) if len(idx) else None), int(differs.sum())
 
 
-
-
 # Models compared by the strict rule, without routing-aware excuses (none now). Mixtral was one while its EXL3
 # server ran SGLang's QuantMixtralForCausalLM (no TopK, so no capture) and the fp16 twin MixtralForCausalLM; the
 # plugin now keeps MixtralForCausalLM and hands its TopK the layer id.

@@ -78,9 +78,13 @@ def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
 @dataclass(frozen=True)
 class SortedTable:
     table: torch.Tensor  # int64 [banks * S, 8]: GroupSource rows, bank by bank
-    items: int  # static totals of the group: work items, output columns, partial elements
+    items: int  # static totals of the group: work items and output columns
     cols: int
-    part: int
+
+    @property
+    def part(self) -> int:
+        """Partial elements: one [tile, N] block per source, as many as its output columns."""
+        return self.cols
 
 
 def sorted_tables(groups: list[list[Exl3ExpertBank]], plan: SortedPlan, build=None) -> list[SortedTable]:
@@ -102,7 +106,7 @@ def sorted_tables(groups: list[list[Exl3ExpertBank]], plan: SortedPlan, build=No
     (build or _torch_sorted_rows)(banks, plan.experts, plan.filled, plan.tile, params, table)
     out, at = [], 0
     for num, items, cols in sizes:
-        out.append(SortedTable(table=table[at * s:(at + num) * s], items=items, cols=cols, part=cols))
+        out.append(SortedTable(table=table[at * s:(at + num) * s], items=items, cols=cols))
         at += num
     return out
 

@@ -26,7 +26,6 @@ from typing import NamedTuple
 import torch
 
 from sglang_exl3.codec.hadamard import had_r_128
-from sglang_exl3.layers.moe_kernels import tier_rotations
 
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -160,6 +159,5 @@ def rotated_slab_forward(tiers, slab: dict, inter: int, hidden: int, x: torch.Te
     the Triton GEMM and our glue kernels (or `gemm`, `glue`). fp32 [m, H]."""
     weights = decode_rotated(tiers, slab, inter, hidden)
     gemm = gemm or triton_gemm(x.shape[0], topk_ids.shape[1], tiers.num_experts, inter, hidden)
-    rotations = tiers.rotations or tier_rotations(tiers.tiers)
-    return rotated_forward(weights, rotations, x, topk_weights, tiers.slab_ids(topk_ids), gelu, gemm,
+    return rotated_forward(weights, tiers.rotations, x, topk_weights, tiers.slab_ids(topk_ids), gelu, gemm,
                            glue or cuda_glue())
