@@ -9,7 +9,8 @@ again after every row, so a run cut short keeps what it measured.
                            [--variant SGLANG_EXL3_FUSED_MAX_M=32 ...]  (the first EXL3 model again, with that env)
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
   python benchmarks/e2e.py --profile-steps 16 ...   (also: where a decode step's GPU time goes, per kernel category,
-                                                     at batch 1 and 64: e2e-profile-<gpu>.{json,md})
+                                                     at --profile-batches, 1 and 64 by default, for every served model:
+                                                     e2e-profile-<gpu>.{json,md})
   python benchmarks/e2e.py --serving-concurrency 1,16,64 ...   (also: SGLang's own load generator against each
                                                      server, random-ids 512 in / 128 out: output tok/s and mean ITL)
 """
@@ -65,8 +66,9 @@ PROFILE_BATCHES = (1, 64)
 
 
 def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int,
-                      profile_steps: int = 0, serving: tuple[int, ...] = ()) -> dict:
-    """One server: its e2e row, with profile_steps its per-step kernel breakdown at PROFILE_BATCHES (in
+                      profile_steps: int = 0, serving: tuple[int, ...] = (),
+                      profile_batches: tuple[int, ...] = PROFILE_BATCHES) -> dict:
+    """One server: its e2e row, with profile_steps its per-step kernel breakdown at profile_batches (in
     row["profile"], {batch: {category: us per step}}), and per `serving` concurrency SGLang's load generator's
     output tok/s and mean inter-token latency."""
     log = out / f"e2e-server-{label}.log"
@@ -84,9 +86,9 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
             result = serving_throughput(path, port, c, out)
             row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]
         if profile_steps:
-            ids = [[(i * 53 + j * 13) % 120000 + 100 for j in range(32)] for i in range(max(PROFILE_BATCHES))]
+            ids = [[(i * 53 + j * 13) % 120000 + 100 for j in range(32)] for i in range(max(profile_batches))]
             row["profile"] = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
-                              for bs in PROFILE_BATCHES}
+                              for bs in profile_batches}
         return row
     finally:
         stop(proc)
@@ -135,7 +137,9 @@ def main() -> int:
                          "disk that holds it)")
     ap.add_argument("--replot", type=Path, help="redraw the plot beside this results JSON and exit")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="also profile this many decode steps per model at batch 1 and 64 (e2e-profile-<gpu>)")
+                    help="also profile this many decode steps per model at --profile-batches (e2e-profile-<gpu>)")
+    ap.add_argument("--profile-batches", default=",".join(map(str, PROFILE_BATCHES)), metavar="B[,B]",
+                    help="the decode batch sizes --profile-steps profiles")
     ap.add_argument("--serving-concurrency", default="", metavar="C[,C]",
                     help="also run python -m sglang.benchmark.serving (random-ids) at these concurrencies per server")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
@@ -156,6 +160,8 @@ def main() -> int:
     codebook = "mcg" if arch == "qwen3_moe" else "mul1"
     rows, py = [], sys.executable
     serving = tuple(int(c) for c in args.serving_concurrency.split(",") if c)
+    measured = {"profile_steps": args.profile_steps, "serving": serving,
+                "profile_batches": tuple(int(b) for b in args.profile_batches.split(",") if b)}
     head.update(serving_concurrency=list(serving), serving_lengths="random-ids, 512 in / 128 out")
     cols = ["model", "ready_s", "weights_gb", "kv_tokens", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES],
             "prefill_tok_s", *[f"serving_c{c}_{k}" for c in serving for k in ("out_tok_s", "itl_ms")]]
@@ -177,18 +183,18 @@ def main() -> int:
                             "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
         exl3_env = {"SGLANG_EXL3_BACKEND": args.backend}
         add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
-                              args.profile_steps, serving))
+                              **measured))
         for j, variant in enumerate(args.variant if i == 0 else []):
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
-                                  {**exl3_env, **env}, work, 32200 + j, serving=serving))
+                                  {**exl3_env, **env}, work, 32200 + j, **measured))
         if i == 0 and not args.skip_bf16 and args.twin == "dequantized":
             dense = work / f"{args.shape}-bf16"
             if not dense.exists():
                 subprocess.run([py, "-m", "sglang_exl3", "dequantize", str(ckpt), str(dense), "--dtype",
                                 "bfloat16", "--device", "cuda", "--quiet"], check=True)
             add(serve_and_measure(dense, f"bf16 (the {bits} bpw weights dequantized)", ["--dtype", "bfloat16"], {},
-                                  work, 32100, args.profile_steps, serving))
+                                  work, 32100, **measured))
         elif i == 0 and not args.skip_bf16:  # the same config with random bf16 weights: speed only
             from sglang_exl3.tools.dequantize import write_weightless_twin
 
@@ -196,7 +202,7 @@ def main() -> int:
             if not dense.exists():
                 write_weightless_twin(ckpt, dense)
             add(serve_and_measure(dense, "bf16 (same config, random weights)", ["--dtype", "bfloat16",
-                                  "--load-format", "dummy"], {}, work, 32100, args.profile_steps, serving))
+                                  "--load-format", "dummy"], {}, work, 32100, **measured))
     return 0
 
 

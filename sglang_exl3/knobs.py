@@ -94,6 +94,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("ONE_LAUNCH_MAX_M", "1", "choice", tuple(str(m) for m in range(17)), "dense linears and fused q/k/v, "
          "gate/up layers (not the lm_head) on our CUDA kernels with at most this many rows run as one launch, the "
          "input and output rotations folded into the GEMM; 0: three launches at every m"),
+    Knob("TWO_LAUNCH_MAX_M", "0", "choice", tuple(str(m) for m in range(17)), "the same layers with more rows than "
+         "ONE_LAUNCH_MAX_M and at most this many run as two launches: x rotated once, then the GEMM that rotates its "
+         "own output; 0: three launches above ONE_LAUNCH_MAX_M"),
     Knob("ROTATION_FORM", "auto", "choice", ("auto", "warp", "octet"), "our CUDA kernels: the form of the Hadamard "
          "rotation launches, one warp or eight threads per 128-block (the same values); auto: eight threads from a "
          "measured size. For A/B measurements"),

@@ -89,11 +89,11 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 8, 1, 92, None) == -1
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 4, 1, 8, 1, 91, None) == -3  # N tiles % 8
     assert lib.exl3_gemm_partial_ring(None, None, None, 16, 16, 8, 1, 8, 1, 93, None) == -3  # not a built mode
-    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
+    lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
 
     def one_launch(m=1, k_tiles=16, items=8, cols=128, k2=8, counters=1, xs_slice=16, warps=4):
-        return lib.exl3_linear_decode(None, 0, None, 1, None, None, counters, None, m, k_tiles, items, cols, k2, 1,
-                                      xs_slice, warps, 1, None)
+        return lib.exl3_linear_decode(None, 0, None, None, 1, None, None, counters, None, m, k_tiles, items, cols, k2,
+                                      1, xs_slice, warps, 1, None)
 
     assert one_launch(m=0) == one_launch(m=17) == -3  # 1-16 rows
     assert one_launch(k_tiles=12) == -3  # K not whole 128-blocks

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 21
+ABI_VERSION = 22
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -234,7 +234,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_set_octet_min_items.restype = ctypes.c_longlong
     lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
-    lib.exl3_linear_decode.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
+    lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
@@ -1256,11 +1256,18 @@ class Exl3OneLaunch:
     group: Exl3Group
     counters: torch.Tensor
     max_m: int = ONE_LAUNCH_MAX_ROWS
+    two_launch_max_m: int = 0  # above max_m and up to this, x is rotated by its own launch first (rotates_first)
 
     def serves(self, m: int) -> bool:
-        """Whether m rows run as this launch: at most max_m (and ONE_LAUNCH_MAX_ROWS), the x slice within
-        XS_GROUP_SMEM_BYTES."""
-        return m <= min(self.max_m, ONE_LAUNCH_MAX_ROWS) and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
+        """Whether m rows run in this form (one launch up to max_m, two up to two_launch_max_m; at most
+        ONE_LAUNCH_MAX_ROWS), the x slice within XS_GROUP_SMEM_BYTES."""
+        most = min(max(self.max_m, self.two_launch_max_m), ONE_LAUNCH_MAX_ROWS)
+        return m <= most and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
+
+    def rotates_first(self, m: int) -> bool:
+        """Whether m rows take the two-launch form: past max_m, where every block rotating its own slice of x costs
+        more than the launch that rotates it once."""
+        return m > self.max_m
 
 
 def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) -> int | None:
@@ -1272,14 +1279,17 @@ def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) ->
 
 
 def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
-                    codebook: Codebook, max_m: int = ONE_LAUNCH_MAX_ROWS) -> Exl3OneLaunch | None:
+                    codebook: Codebook, max_m: int = ONE_LAUNCH_MAX_ROWS,
+                    two_launch_max_m: int = 0) -> Exl3OneLaunch | None:
     """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, used for up
-    to max_m rows, or None where it cannot run them (K or an N not whole 128-blocks)."""
+    to max_m rows (and as two launches up to two_launch_max_m), or None where it cannot run them (K or an N not whole
+    128-blocks)."""
     splits = one_launch_splits(tiles[0].shape[1], [t.shape[0] for t in tiles], tiles[0].device)
     if splits is None:
         return None
     group = make_group(tiles, suh, svh, codebook, splits=[splits] * len(tiles))
-    return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m)
+    return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m,
+                         two_launch_max_m)
 
 
 def one_launch_warps(m: int) -> int:
@@ -1288,11 +1298,12 @@ def one_launch_warps(m: int) -> int:
 
 
 def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, warps: int | None = None,
-                      pdl: bool = True) -> torch.Tensor:
+                      pdl: bool = True, rotate_first: bool = False) -> torch.Tensor:
     """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
     the same splits, for either block width). The group's splits must cut K into whole 128-blocks (make_one_launch's
     table). warps: 4 or 8 per block (default one_launch_warps(m)); pdl: launched as a programmatic dependent of the
-    kernel before it (its first weight loads overlap that kernel's end)."""
+    kernel before it (its first weight loads overlap that kernel's end); rotate_first: the two-launch form, x rotated
+    once per source by its own launch, which the GEMM's blocks then copy (the same output bits)."""
     m = x.shape[0]
     warps = warps or one_launch_warps(m)
     if warps not in (4, 8):
@@ -1306,7 +1317,10 @@ def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
     partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
     bf16 = int(x.dtype == torch.bfloat16)
-    _check(load_library().exl3_linear_decode(x.data_ptr(), bf16, group.table.data_ptr(), group.num,
+    xh_all = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device) if rotate_first \
+        else None
+    _check(load_library().exl3_linear_decode(x.data_ptr(), bf16, None if xh_all is None else xh_all.data_ptr(),
+                                             group.table.data_ptr(), group.num,
                                              partial.data_ptr(), counters.data_ptr(), counters.numel(),
                                              out.data_ptr(), m, group.k_tiles, group.total_items, group.total_cols,
                                              group.k2, group.codebook, group.max_slice, warps, int(pdl),

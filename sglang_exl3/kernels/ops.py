@@ -103,17 +103,18 @@ def _(x, tiles, suh, svh, table, meta, codebook):
 
 @torch.library.custom_op("exl3::one_launch", mutates_args=())
 def exl3_one_launch(x: torch.Tensor, table: torch.Tensor, counters: torch.Tensor, meta: list[int],
-                    codebook: int) -> torch.Tensor:
-    """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (cuda_trellis.one_launch_linear);
-    `table` / `meta` / `counters` come from cuda_trellis.make_one_launch. The counters are zero before and after every
-    call (the kernel resets what it counts), so the op mutates nothing that outlives it."""
+                    codebook: int, rotate_first: bool = False) -> torch.Tensor:
+    """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (cuda_trellis.one_launch_linear;
+    rotate_first: two, x rotated by its own launch first); `table` / `meta` / `counters` come from
+    cuda_trellis.make_one_launch. The counters are zero before and after every call (the kernel resets what it
+    counts), so the op mutates nothing that outlives it."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, one_launch_linear
 
-    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters)
+    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters, rotate_first=rotate_first)
 
 
 @exl3_one_launch.register_fake
-def _(x, table, counters, meta, codebook):
+def _(x, table, counters, meta, codebook, rotate_first=False):
     return x.new_empty((x.shape[0], meta[3]))  # Exl3Group.meta: total_cols
 
 

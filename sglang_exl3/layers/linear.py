@@ -143,16 +143,16 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
     """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows (read once, at
     load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
-    folded in; None where the knob is 0, they cannot share it, and for the lm_head: each of its ~2,400 blocks
-    re-rotates all of x (one split), which measured 7% slower than three launches at m = 1
-    (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936)."""
-    max_m = int(knobs.get("ONE_LAUNCH_MAX_M"))
-    if backend != Backend.CUDA or lm_head or max_m == 0 or not _share_launches(shards):
+    folded in, and as two (x rotated first) up to SGLANG_EXL3_TWO_LAUNCH_MAX_M rows; None where both knobs are 0,
+    they cannot share it, and for the lm_head: each of its ~2,400 blocks re-rotates all of x (one split), which
+    measured 7% slower than three launches at m = 1 (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936)."""
+    max_m, two_max_m = int(knobs.get("ONE_LAUNCH_MAX_M")), int(knobs.get("TWO_LAUNCH_MAX_M"))
+    if backend != Backend.CUDA or lm_head or max(max_m, two_max_m) == 0 or not _share_launches(shards):
         return None
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
     return make_one_launch([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
-                           shards[0].codebook, max_m)
+                           shards[0].codebook, max_m, two_max_m)
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
@@ -320,7 +320,8 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     one = layer.exl3_one_launch
     one_launch = one is not None and one.serves(xa.shape[0])
     if one_launch:
-        y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook)
+        y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook,
+                                      one.rotates_first(xa.shape[0]))
     elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
     else:

@@ -461,7 +461,8 @@ def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
     """The one-launch linear (each block rotates its K slice of x; the last block per 128 columns sums the partials and
     rotates them into the output) writes what the group's three launches write at the same splits, bit for bit, for a
     q/k/v-like group and a single source at row counts up to 16 (one and two row groups), and leaves its counters
-    zero, for 4- and 8-warp blocks, launched as a programmatic dependent or not."""
+    zero, for 4- and 8-warp blocks, launched as a programmatic dependent or not, and as two launches (x rotated by
+    its own launch first)."""
     k, widths = 1024, (384, 128, 128)
     srcs = [_case(k, n, bits, 16, seed=80 + i) for i, n in enumerate(widths)]
     tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
@@ -473,9 +474,10 @@ def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
         for m in (1, 2, 5, 8, 13, 16):
             want = ck.group_run(x[:m], g.table, g.num, m, g.k_tiles, g.total_items, g.total_cols, g.partial_per_row,
                                 g.k2, g.codebook)
-            for warps, pdl in ((4, True), (8, True), (8, False)):
-                got = ck.one_launch_linear(x[:m], g, one.counters, warps=warps, pdl=pdl)
-                case = f"{count} sources, m={m}, {warps} warps, pdl {pdl}"
+            for warps, pdl, first in ((4, True, False), (8, True, False), (8, False, False), (8, True, True),
+                                      (4, False, True)):
+                got = ck.one_launch_linear(x[:m], g, one.counters, warps=warps, pdl=pdl, rotate_first=first)
+                case = f"{count} sources, m={m}, {warps} warps, pdl {pdl}, x rotated first {first}"
                 assert got.dtype == dtype and torch.isfinite(got).all()
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), case
                 assert not one.counters.any(), f"counters left set: {case}"
@@ -486,28 +488,30 @@ def test_one_launch_is_bit_identical_to_three(cb, bits, dtype):
 
 
 def test_one_launch_captures_and_replays_in_a_cuda_graph():
-    """Captured once, replayed on fresh x twice: the counters reset themselves, so each replay equals an eager call."""
+    """Captured once, replayed on fresh x twice (one launch, and two): the counters reset themselves, so each replay
+    equals an eager call."""
     import sglang_exl3.kernels.ops  # noqa: F401  (registers torch.ops.exl3)
 
     srcs = [_case(512, n, 4, 1, seed=90 + i) for i, n in enumerate((256, 128))]
     tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
     one = ck.make_one_launch(tiles, [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs],
                              Codebook.MUL1)
-    static_x = torch.zeros(4, 512, device="cuda", dtype=torch.bfloat16)
-    torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta, one.group.codebook)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta,
-                                             one.group.codebook)
-    for seed in (1, 2):
-        fresh = torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
-        static_x.copy_(fresh)
-        graph.replay()
+    for first in (False, True):
+        static_x = torch.zeros(4, 512, device="cuda", dtype=torch.bfloat16)
+        torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta, one.group.codebook, first)
         torch.cuda.synchronize()
-        eager = ck.one_launch_linear(fresh, one.group, one.counters)
-        assert torch.equal(static_y.view(torch.int16), eager.view(torch.int16)), seed
-        assert not one.counters.any()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = torch.ops.exl3.one_launch(static_x, one.group.table, one.counters, one.group.meta,
+                                                 one.group.codebook, first)
+        for seed in (1, 2):
+            fresh = torch.randn(4, 512, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+            static_x.copy_(fresh)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = ck.one_launch_linear(fresh, one.group, one.counters, rotate_first=first)
+            assert torch.equal(static_y.view(torch.int16), eager.view(torch.int16)), (seed, first)
+            assert not one.counters.any()
 
 
 def test_group_rejects_mismatched_sources():

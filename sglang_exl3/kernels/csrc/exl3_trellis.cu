@@ -2025,9 +2025,11 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // One warp per work item, as gemm_group_xs_kernel's (every source's items a multiple of 8: a block's KW = 4 or 8 warps
 // share one source, one split and half of or a whole 128-column block); x and y [m, total_cols] in the model's dtype A
 // (fp16 or bf16). Launched as a programmatic dependent (PDL): the first trellis loads are issued before the wait for
-// the kernel that wrote x, and nothing is written before it.
+// the kernel that wrote x, and nothing is written before it. With xh_all (fp16 [num, m, K], had_in_group's output:
+// the two-launch form) a block copies its slice of the rotated x instead of rotating it: from two rows on, the
+// rotation every block repeats costs more than the launch it saves, while the output rotation stays folded in.
 template <int K2, int CB, int MT, int KW, typename A>
-__global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x,
+__global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x, const half* __restrict__ xh_all,
                                                                 const GroupSource* __restrict__ srcs, int num,
                                                                 float* __restrict__ partial,
                                                                 int* __restrict__ counters, A* __restrict__ out, int m,
@@ -2041,6 +2043,7 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
   const A* xs_rows0 = x + (size_t)src.x_row * K;
   auto stage = [&](int kt0, int kt1) {
     pdl_wait();
+    if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
     return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
   };
   float* part = partial + src.partial_base * m;
@@ -2242,18 +2245,22 @@ int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pd
 }
 
 template <int K2, int CB>
-int launch_variant_linear_decode(const void* x, int bf16, const GroupSource* srcs, int num, float* partial,
-                                 int* counters, void* out, int m, int kt, int total_items, int total_cols,
-                                 int xs_slice, int warps, int pdl, cudaStream_t stream) {
+int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const GroupSource* srcs, int num,
+                                 float* partial, int* counters, void* out, int m, int kt, int total_items,
+                                 int total_cols, int xs_slice, int warps, int pdl, cudaStream_t stream) {
   if (m > kOneLaunchMaxRows || (warps != 4 && warps != 8) || total_items % warps) return -3;
   const int smem = xs_smem_bytes(m, xs_slice, 1);
   if (smem > kMaxXsSmem) return -3;
+  if (xh_all != nullptr) {  // the two-launch form: every check passed, so the rotation never runs alone
+    if (bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, xh_all, m, kt * 16, stream);
+    else launch_had_in_group((const half*)x, srcs, num, xh_all, m, kt * 16, stream);
+  }
   auto launch = [&](auto* op, auto mt, auto kw) {
     using A = std::remove_pointer_t<decltype(op)>;
     auto kernel = linear_decode_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, A>;
     allow_smem(kernel, smem);
-    return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, srcs, num,
-                     partial, counters, op, m, kt, total_items, total_cols);
+    return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
+                     num, partial, counters, op, m, kt, total_items, total_cols);
   };
   auto with_warps = [&](auto* op, auto mt) {
     return warps == 8 ? launch(op, mt, std::integral_constant<int, 8>{})
@@ -2490,10 +2497,11 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
 // table guarantees it (the kernel cannot check a device table). Scratch: partial fp32 [sum_s splits_s * N_s * m];
 // counters int32 [total_cols / 128], zero, and left zero. xs_slice: the longest K slice of any source, in tiles
 // (sizes the shared memory). warps: 4 or 8 per block (each block rotates its slice of x, so 8 halve that work);
-// pdl: launched as a programmatic dependent of the kernel before it.
-int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void* partial, void* counters,
-                       long long counters_len, void* out, int m, int k_tiles, int total_items, int total_cols, int k2,
-                       int codebook, int xs_slice, int warps, int pdl, void* stream) {
+// pdl: launched as a programmatic dependent of the kernel before it. xh_all (fp16 [num, m, K] scratch, or nullptr):
+// the two-launch form, x rotated once per source by its own launch first (the same values, so the same output).
+int exl3_linear_decode(const void* x, int bf16, void* xh_all, const void* table, int num, void* partial,
+                       void* counters, long long counters_len, void* out, int m, int k_tiles, int total_items,
+                       int total_cols, int k2, int codebook, int xs_slice, int warps, int pdl, void* stream) {
   if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
       total_cols <= 0 || total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128)
     return -3;
@@ -2501,8 +2509,8 @@ int exl3_linear_decode(const void* x, int bf16, const void* table, int num, void
   auto srcs = (const GroupSource*)table;
   auto p = (float*)partial;
   auto c = (int*)counters;
-  EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, srcs, num, p, c, out, m, k_tiles, total_items,
-                                                             total_cols, xs_slice, warps, pdl, s))
+  EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, (half*)xh_all, srcs, num, p, c, out, m, k_tiles,
+                                                             total_items, total_cols, xs_slice, warps, pdl, s))
 }
 
 // A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
@@ -2775,7 +2783,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 21; }
+int exl3_abi_version(void) { return 22; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
