@@ -90,6 +90,24 @@ def test_library_tables_equal_the_torch_reference(compiled_lib, monkeypatch, tok
             assert torch.equal(g.table, w.table) and (g.items, g.cols, g.part) == (w.items, w.cols, w.part)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens, topk, experts, tile", [(40, 8, 12, 8), (9, 2, 4, 1), (300, 8, 128, 16),
+                                                         (700, 6, 1024, 8), (3, 1, 1, 64)])
+def test_library_plan_equals_the_torch_reference(compiled_lib, monkeypatch, tokens, topk, experts, tile):
+    """The one-launch sorted plan (its host code) against torch_sorted_plan: rows, each tile's expert and the filled
+    count, for int32 and int64 ids, with ids of -1 and one past the last expert (no tile, the dump row)."""
+    from sglang_exl3.kernels.moe_sorted import torch_sorted_plan
+
+    monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
+    ids = _routing(tokens, topk, experts, seed=tokens).reshape(-1)
+    ids[ids.numel() // 2] = experts  # outside [0, experts): another rank's expert
+    for dtype in (torch.int32, torch.int64):
+        want = torch_sorted_plan(ids.to(dtype), experts, tile)
+        rows, src_expert, filled = ck.sorted_plan_launch(ids.to(dtype), experts, tile, want.sources)
+        assert torch.equal(rows, want.rows) and torch.equal(src_expert, want.experts), (dtype, tokens)
+        assert int(filled) == int(want.filled)
+
+
 def test_tile_rows_follow_the_mean_pairs_per_expert():
     from sglang_exl3.kernels.moe_sorted import tile_rows
 

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 22
+ABI_VERSION = 23
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -237,6 +237,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
+    lib.exl3_sorted_plan.argtypes = [p, i, i, i, i, i, p, p, p, i, p]
+    lib.exl3_sorted_gather.argtypes = [p, p, i, i, i, p, p]
     lib.exl3_act_mul.argtypes = [p, p, i, i, i, i, i, p]
     lib.exl3_moe_combine.argtypes = [p, p, p, p, i, p, i, i, i, i, p]
     lib.exl3_moe_fused.argtypes = [p, i, p, p, i, i, i, i, i, i, i, i, i, i, p, p, p, p, p, p, p, i, i, i, i,
@@ -943,6 +945,42 @@ def sorted_table_builder(on_host: bool = False):
                                       table.data_ptr(), int(on_host), None if on_host else _stream(table)),
                "sorted tables")
     return build
+
+
+MAX_PLAN_EXPERTS = 1024  # the library's one-block plan keeps per-expert counts in shared memory
+
+
+def sorted_plan_launch(ids: torch.Tensor, experts: int, tile: int,
+                       sources: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The library's expert-sorted plan in one launch (kernels/moe_sorted.py sorted_plan's torch ops, ~25 launches):
+    int64 rows [pairs], each tile's expert [sources] and the filled tile count []. CPU ids: the same plan from the
+    library's host code, for tests without a GPU."""
+    pairs = ids.numel()
+    if not 0 < experts <= MAX_PLAN_EXPERTS or tile <= 0 or sources <= 0 or pairs == 0:
+        raise ValueError(f"sorted plan: 1-{MAX_PLAN_EXPERTS} experts, a positive tile and sources and some pairs, got "
+                         f"{experts} experts, tile {tile}, {sources} sources, {pairs} pairs")
+    rows = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    src_expert = torch.empty(sources, dtype=torch.int64, device=ids.device)
+    filled = torch.empty((), dtype=torch.int64, device=ids.device)
+    on_host = not ids.is_cuda
+    _check(load_library().exl3_sorted_plan(ids.data_ptr(), _ids_bytes(ids), pairs, experts, tile, sources,
+                                           rows.data_ptr(), src_expert.data_ptr(), filled.data_ptr(), int(on_host),
+                                           None if on_host else _stream(ids)), "sorted plan")
+    return rows, src_expert, filled
+
+
+def sorted_gather(x: torch.Tensor, rows: torch.Tensor, topk: int, out: torch.Tensor) -> torch.Tensor:
+    """out[rows[p]] = x[p // topk] for every pair p, in one launch (fp16 or bf16 x and out of one dtype)."""
+    pairs = rows.numel()
+    if x.dtype not in (torch.float16, torch.bfloat16) or out.dtype != x.dtype or x.dim() != 2 or \
+            out.shape[1:] != x.shape[1:] or rows.dtype != torch.int64 or pairs != x.shape[0] * topk or \
+            not out.is_contiguous():
+        raise ValueError(f"sorted_gather: fp16/bf16 x [tokens, H] and contiguous out [*, H] of its dtype, int64 rows "
+                         f"[tokens * {topk}]; got x {x.dtype} {tuple(x.shape)}, out {out.dtype} "
+                         f"{tuple(out.shape)}, rows {rows.dtype} {pairs}")
+    _check(load_library().exl3_sorted_gather(x.contiguous().data_ptr(), rows.contiguous().data_ptr(), pairs, topk,
+                                             x.shape[1], out.data_ptr(), _stream(x)), "sorted gather")
+    return out
 
 
 def act_mul(gate_up: torch.Tensor, sources: int, n: int, gelu: bool = False) -> torch.Tensor:

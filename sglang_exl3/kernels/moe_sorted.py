@@ -17,6 +17,7 @@ import torch
 
 from sglang_exl3.kernels.cuda_trellis import (
     MAX_FUSED_TOPK,
+    MAX_PLAN_EXPERTS,
     Exl3ExpertBank,
     MoeTables,
     act_mul,
@@ -25,6 +26,8 @@ from sglang_exl3.kernels.cuda_trellis import (
     moe_combine,
     moe_fused,
     pack_tiles_splits,
+    sorted_gather,
+    sorted_plan_launch,
     sorted_table_builder,
 )
 
@@ -53,12 +56,23 @@ def max_tiles(pairs: int, experts: int, tile: int) -> int:
 
 
 def sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
-    """Where each (token, expert) pair goes: experts in order, each one's pairs in tiles of `tile` rows."""
+    """Where each (token, expert) pair goes: experts in order, each one's pairs in tiles of `tile` rows, in their
+    order (int32/int64 ids [pairs]; outside [0, experts): another EP rank's expert, no tile). CUDA ids: one library
+    launch (sorted_plan_launch); otherwise the torch ops of torch_sorted_plan, its reference."""
+    if not ids.is_cuda or experts > MAX_PLAN_EXPERTS:
+        return torch_sorted_plan(ids, experts, tile)
+    sources = max_tiles(ids.numel(), experts, tile)
+    rows, src_expert, filled = sorted_plan_launch(ids.reshape(-1).contiguous(), experts, tile, sources)
+    return SortedPlan(rows=rows, experts=src_expert, filled=filled, sources=sources, tile=tile)
+
+
+def torch_sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
+    """sorted_plan in torch ops (~25 launches on a GPU)."""
     pairs = ids.numel()
     dev = ids.device
     e = ids.reshape(-1).to(torch.int64)
-    valid = e >= 0
-    e = torch.where(valid, e, experts)  # ids below 0 (another EP rank's expert) count as expert E: no tile
+    valid = (e >= 0) & (e < experts)
+    e = torch.where(valid, e, experts)  # another EP rank's expert counts as expert E: no tile
     # each pair's rank among the earlier pairs of its expert (a stable order) from running counts per expert: a
     # compare, a scan and a gather, where a stable sort took 27 µs of the layer's 460 at 64 rows (H200, moe-profile)
     seen = (e[:, None] == torch.arange(experts + 1, device=dev)).cumsum(0, dtype=torch.int32)  # [P, E + 1]
@@ -143,8 +157,10 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     tile = plan.tile
     s, inter, hidden = plan.sources, gate.n_tiles * 16, down.n_tiles * 16
     xs = torch.empty(s * tile + 1, x.shape[1], dtype=x.dtype if fused else torch.float16, device=x.device)
-    pair_x = x.to(xs.dtype).unsqueeze(1).expand(-1, topk, -1).reshape(-1, x.shape[1])  # pair p: x[p // top-k]
-    xs.index_copy_(0, plan.rows, pair_x)  # + the dump row for ids below 0
+    if fused and x.is_cuda:  # pair p's row is x[p // top-k]; ids of other ranks go to the dump row
+        sorted_gather(x, plan.rows, topk, xs)
+    else:
+        xs.index_copy_(0, plan.rows, x.to(xs.dtype).unsqueeze(1).expand(-1, topk, -1).reshape(-1, x.shape[1]))
     weights = topk_weights.reshape(-1).to(torch.float32)
     build = build or (sorted_table_builder() if x.is_cuda else None)
     groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first

@@ -727,6 +727,45 @@ def test_sorted_tables_on_the_device_equal_the_torch_reference(tokens, topk, exp
         assert torch.equal(g.table, w.table)
 
 
+@pytest.mark.parametrize("tokens, topk, experts, tile", [(64, 8, 128, 8), (700, 8, 256, 16), (1000, 6, 1024, 8),
+                                                         (3, 1, 1, 64), (40, 2, 6, 1)])
+def test_sorted_plan_on_the_device_equals_the_torch_reference(tokens, topk, experts, tile):
+    """The one-launch plan (one block ranks the pairs chunk by chunk from its warps' match masks) against
+    torch_sorted_plan on the same ids, int32 and int64, with ids of -1 and past the last expert; in a CUDA graph on
+    fresh routing; and the one-launch gather of x against index_copy, for the pairs that have a row."""
+    from sglang_exl3.kernels.moe_sorted import sorted_plan, torch_sorted_plan
+
+    gen = torch.Generator().manual_seed(tokens)
+
+    def routing(dtype=torch.int32):
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).reshape(-1)
+        ids[:2] = -1
+        ids[-1] = experts
+        return ids.to(dtype).cuda()
+
+    for dtype in (torch.int32, torch.int64):
+        ids = routing(dtype)
+        got, want = sorted_plan(ids, experts, tile), torch_sorted_plan(ids, experts, tile)
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.experts, want.experts), dtype
+        assert int(got.filled) == int(want.filled) and got.sources == want.sources
+    ids = routing()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sorted_plan(ids, experts, tile)
+    ids.copy_(routing())
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch_sorted_plan(ids, experts, tile)
+    assert torch.equal(captured.rows, want.rows) and torch.equal(captured.experts, want.experts)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
+    xs = torch.zeros(want.sources * tile + 1, 256, dtype=torch.bfloat16, device="cuda")
+    ck.sorted_gather(x, want.rows, topk, xs)
+    ref = torch.zeros_like(xs).index_copy_(0, want.rows, x.unsqueeze(1).expand(-1, topk, -1).reshape(-1, 256))
+    have = want.rows[want.rows < want.sources * tile]
+    assert torch.equal(xs[have], ref[have])
+
+
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)],
                          ids=["mcg-4", "mul1-3", "3inst-2"])
 @pytest.mark.parametrize("m, topk, gelu, id_dtype", [(1, 8, False, torch.int32), (3, 2, True, torch.int64)])

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -1075,6 +1076,117 @@ __global__ void sorted_tables_kernel(SortedBanks b, const long long* src_expert,
                                      int tile, long long* __restrict__ table) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x, bank = blockIdx.y;
   if (s < sources) sorted_source(b, bank, src_expert, *filled, s, tile, table + ((long long)bank * sources + s) * 8);
+}
+
+// The expert-sorted plan (kernels/moe_sorted.py sorted_plan) in one launch, where its torch ops took ~25 launches.
+// rows[p]: pair p's row in the sorted, tiled input, its expert's first tile * tile + its rank among the earlier pairs
+// of that expert (a stable order); ids outside [0, experts) get the dump row sources * tile. src_expert[s]: tile s's
+// expert (past the filled tiles, the last expert); filled: the tiles in use. One block: pairs in chunks of its
+// threads, a pair's rank from its warp's match mask plus the counts of the warps before it and of earlier chunks.
+constexpr int kPlanThreads = 256, kPlanWarps = kPlanThreads / 32;
+constexpr int kMaxPlanExperts = 1024;  // shared memory: (9 * (E + 1) + E + 256) ints, 42 KB at 1,024 experts
+
+__host__ __device__ __forceinline__ int plan_expert(const void* ids, int ids_bytes, int p, int experts) {
+  const long long id = routed_id(ids, ids_bytes, p);
+  return id < 0 || id >= experts ? experts : (int)id;  // `experts`: no tile (another rank's expert)
+}
+
+__host__ __device__ __forceinline__ int plan_tiles(int count, int tile) { return (count + tile - 1) / tile; }
+
+// tile s's expert: the first whose inclusive tile end passes s (searchsorted, right), clamped to the last expert
+__host__ __device__ __forceinline__ long long plan_source_expert(const int* tile_end, int experts, int s) {
+  int lo = 0, hi = experts;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_end[mid] > s) hi = mid; else lo = mid + 1;
+  }
+  return lo < experts ? lo : experts - 1;
+}
+
+__global__ void __launch_bounds__(kPlanThreads) sorted_plan_kernel(const void* ids, int ids_bytes, int pairs,
+                                                                   int experts, int tile, int sources,
+                                                                   long long* __restrict__ rows,
+                                                                   long long* __restrict__ src_expert,
+                                                                   long long* __restrict__ filled) {
+  extern __shared__ int plan_sm[];
+  const int e1 = experts + 1, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  int* running = plan_sm;                     // [e1]: pairs of each expert in earlier chunks
+  int* warp_count = running + e1;             // [kPlanWarps, e1]: this chunk's pairs per warp and expert
+  int* tile_end = warp_count + kPlanWarps * e1;  // [experts]: inclusive prefix of tiles
+  int* scan = tile_end + experts;             // [kPlanThreads]
+  for (int i = t; i < (kPlanWarps + 1) * e1; i += kPlanThreads) plan_sm[i] = 0;
+  __syncthreads();
+  for (int base = 0; base < pairs; base += kPlanThreads) {
+    const int p = base + t;
+    const int e = p < pairs ? plan_expert(ids, ids_bytes, p, experts) : -1;  // -1: past the last pair
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int before = __popc(same & ((1u << lane) - 1u));
+    if (e >= 0 && before == 0) warp_count[warp * e1 + e] = __popc(same);
+    __syncthreads();
+    if (e >= 0) {
+      int rank = running[e] + before;
+      for (int w = 0; w < warp; ++w) rank += warp_count[w * e1 + e];
+      rows[p] = rank;  // the rank, until the tiles are known
+    }
+    __syncthreads();
+    for (int x = t; x < e1; x += kPlanThreads) {
+      int sum = 0;
+      for (int w = 0; w < kPlanWarps; ++w) {
+        sum += warp_count[w * e1 + x];
+        warp_count[w * e1 + x] = 0;
+      }
+      running[x] += sum;
+    }
+    __syncthreads();
+  }
+  // tile ends: thread t sums its run of experts, a scan over threads, then each run's inclusive prefixes
+  const int per = (experts + kPlanThreads - 1) / kPlanThreads, x0 = min(experts, t * per), x1 = min(experts, x0 + per);
+  int local = 0;
+  for (int x = x0; x < x1; ++x) local += plan_tiles(running[x], tile);
+  scan[t] = local;
+  __syncthreads();
+  for (int off = 1; off < kPlanThreads; off <<= 1) {
+    const int v = t >= off ? scan[t - off] : 0;
+    __syncthreads();
+    scan[t] += v;
+    __syncthreads();
+  }
+  int end = scan[t] - local;
+  for (int x = x0; x < x1; ++x) tile_end[x] = end += plan_tiles(running[x], tile);
+  __syncthreads();
+  if (t == 0) *filled = tile_end[experts - 1];
+  for (int p = t; p < pairs; p += kPlanThreads) {  // the pairs this thread ranked: its own writes
+    const int e = plan_expert(ids, ids_bytes, p, experts);
+    rows[p] = e < experts ? (long long)(tile_end[e] - plan_tiles(running[e], tile)) * tile + rows[p]
+                          : (long long)sources * tile;
+  }
+  for (int s = t; s < sources; s += kPlanThreads) src_expert[s] = plan_source_expert(tile_end, experts, s);
+}
+
+// The same plan on the host, one pair at a time (its ranks are the running counts the kernel's chunks reproduce)
+void sorted_plan_host(const void* ids, int ids_bytes, int pairs, int experts, int tile, int sources, long long* rows,
+                      long long* src_expert, long long* filled) {
+  std::vector<int> running(experts + 1, 0), tile_end(experts, 0);
+  for (int p = 0; p < pairs; ++p) rows[p] = running[plan_expert(ids, ids_bytes, p, experts)]++;
+  int end = 0;
+  for (int x = 0; x < experts; ++x) tile_end[x] = end += plan_tiles(running[x], tile);
+  *filled = end;
+  for (int p = 0; p < pairs; ++p) {
+    const int e = plan_expert(ids, ids_bytes, p, experts);
+    rows[p] = e < experts ? (long long)(tile_end[e] - plan_tiles(running[e], tile)) * tile + rows[p]
+                          : (long long)sources * tile;
+  }
+  for (int s = 0; s < sources; ++s) src_expert[s] = plan_source_expert(tile_end.data(), experts, s);
+}
+
+// xs[rows[p]] = x[p / topk]: each pair's token row into its place in the sorted input (16-byte pieces; h16: pieces
+// per row). Pairs of other ranks all write the dump row, which nothing reads.
+__global__ void sorted_gather_kernel(const uint4* __restrict__ x, const long long* __restrict__ rows, int pairs,
+                                     int topk, int h16, uint4* __restrict__ xs) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)pairs * h16) return;
+  const long long p = i / h16, c = i % h16;
+  xs[rows[p] * h16 + c] = x[(p / topk) * h16 + c];
 }
 
 // MoE glue around the routed GEMMs, one launch each (the torch ops they replace cost a launch apiece: at decode
@@ -2659,6 +2771,35 @@ int exl3_sorted_tables(const long long* params, int banks, const void* src_exper
   return (int)cudaGetLastError();
 }
 
+// The expert-sorted plan in one launch (see sorted_plan_kernel): ids int32/int64 [pairs]; rows int64 [pairs],
+// src_expert int64 [sources], filled one int64; all on the device (`on_host` = 1: host memory, the host code).
+int exl3_sorted_plan(const void* ids, int ids_bytes, int pairs, int experts, int tile, int sources, void* rows,
+                     void* src_expert, void* filled, int on_host, void* stream) {
+  if (pairs <= 0 || experts <= 0 || experts > kMaxPlanExperts || tile <= 0 || sources <= 0 || !ids || !rows ||
+      !src_expert || !filled || (ids_bytes != 4 && ids_bytes != 8))
+    return -3;
+  auto r = (long long*)rows, e = (long long*)src_expert, f = (long long*)filled;
+  if (on_host) {
+    sorted_plan_host(ids, ids_bytes, pairs, experts, tile, sources, r, e, f);
+    return 0;
+  }
+  const int smem = (int)sizeof(int) * ((kPlanWarps + 1) * (experts + 1) + experts + kPlanThreads);
+  sorted_plan_kernel<<<1, kPlanThreads, smem, (cudaStream_t)stream>>>(ids, ids_bytes, pairs, experts, tile, sources,
+                                                                       r, e, f);
+  return (int)cudaGetLastError();
+}
+
+// xs[rows[p]] = x[p / topk] for pairs p (x and xs of one 2-byte dtype, `hidden` a multiple of 8; rows int64 from
+// exl3_sorted_plan): the sorted forward's input in one launch
+int exl3_sorted_gather(const void* x, const void* rows, int pairs, int topk, int hidden, void* xs, void* stream) {
+  if (pairs <= 0 || topk <= 0 || pairs % topk || hidden <= 0 || hidden % 8 || !x || !rows || !xs) return -3;
+  const int h16 = hidden / 8;
+  const long long n = (long long)pairs * h16;
+  sorted_gather_kernel<<<(unsigned)((n + 255) / 256), 256, 0, (cudaStream_t)stream>>>(
+      (const uint4*)x, (const long long*)rows, pairs, topk, h16, (uint4*)xs);
+  return (int)cudaGetLastError();
+}
+
 // out fp16 [sources * rows, n] = act(gate) * up for the fp16 [rows, 2 * sources * n] output of a two-bank group
 // (silu, or gelu's tanh approximation when `gelu`), rows regrouped source by source.
 int exl3_act_mul(const void* gate_up, void* out, int sources, int rows, int n, int gelu, int on_host, void* stream) {
@@ -2783,7 +2924,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 22; }
+int exl3_abi_version(void) { return 23; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
