@@ -952,7 +952,7 @@ MAX_PLAN_EXPERTS = 1024  # the library's one-block plan keeps per-expert counts 
 
 def sorted_plan_launch(ids: torch.Tensor, experts: int, tile: int,
                        sources: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The library's expert-sorted plan in one launch (kernels/moe_sorted.py sorted_plan's torch ops, ~25 launches):
+    """The library's expert-sorted plan in one launch, in place of kernels/moe_sorted.py torch_sorted_plan's ~25:
     int64 rows [pairs], each tile's expert [sources] and the filled tile count []. CPU ids: the same plan from the
     library's host code, for tests without a GPU."""
     pairs = ids.numel()
@@ -1303,8 +1303,7 @@ class Exl3OneLaunch:
         return m <= most and xs_smem(m, self.group.max_slice) <= XS_GROUP_SMEM_BYTES
 
     def rotates_first(self, m: int) -> bool:
-        """Whether m rows take the two-launch form: past max_m, where every block rotating its own slice of x costs
-        more than the launch that rotates it once."""
+        """Whether m rows take the two-launch form (x rotated once, by its own launch): those past max_m."""
         return m > self.max_m
 
 
