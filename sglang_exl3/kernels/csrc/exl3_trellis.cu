@@ -1093,6 +1093,13 @@ __host__ __device__ __forceinline__ int plan_expert(const void* ids, int ids_byt
 
 __host__ __device__ __forceinline__ int plan_tiles(int count, int tile) { return (count + tile - 1) / tile; }
 
+// pair p's row from its expert e and its rank among that expert's earlier pairs: the expert's first tile * tile +
+// rank, or the dump row sources * tile (e == experts: no tile)
+__host__ __device__ __forceinline__ long long plan_row(const int* tile_end, const int* counts, int e, long long rank,
+                                                       int experts, int tile, int sources) {
+  return e < experts ? (long long)(tile_end[e] - plan_tiles(counts[e], tile)) * tile + rank : (long long)sources * tile;
+}
+
 // tile s's expert: the first whose inclusive tile end passes s (searchsorted, right), clamped to the last expert
 __host__ __device__ __forceinline__ long long plan_source_expert(const int* tile_end, int experts, int s) {
   int lo = 0, hi = experts;
@@ -1155,11 +1162,8 @@ __global__ void __launch_bounds__(kPlanThreads) sorted_plan_kernel(const void* i
   for (int x = x0; x < x1; ++x) tile_end[x] = end += plan_tiles(running[x], tile);
   __syncthreads();
   if (t == 0) *filled = tile_end[experts - 1];
-  for (int p = t; p < pairs; p += kPlanThreads) {  // the pairs this thread ranked: its own writes
-    const int e = plan_expert(ids, ids_bytes, p, experts);
-    rows[p] = e < experts ? (long long)(tile_end[e] - plan_tiles(running[e], tile)) * tile + rows[p]
-                          : (long long)sources * tile;
-  }
+  for (int p = t; p < pairs; p += kPlanThreads)  // the pairs this thread ranked: its own writes
+    rows[p] = plan_row(tile_end, running, plan_expert(ids, ids_bytes, p, experts), rows[p], experts, tile, sources);
   for (int s = t; s < sources; s += kPlanThreads) src_expert[s] = plan_source_expert(tile_end, experts, s);
 }
 
@@ -1171,11 +1175,9 @@ void sorted_plan_host(const void* ids, int ids_bytes, int pairs, int experts, in
   int end = 0;
   for (int x = 0; x < experts; ++x) tile_end[x] = end += plan_tiles(running[x], tile);
   *filled = end;
-  for (int p = 0; p < pairs; ++p) {
-    const int e = plan_expert(ids, ids_bytes, p, experts);
-    rows[p] = e < experts ? (long long)(tile_end[e] - plan_tiles(running[e], tile)) * tile + rows[p]
-                          : (long long)sources * tile;
-  }
+  for (int p = 0; p < pairs; ++p)
+    rows[p] = plan_row(tile_end.data(), running.data(), plan_expert(ids, ids_bytes, p, experts), rows[p], experts,
+                       tile, sources);
   for (int s = 0; s < sources; ++s) src_expert[s] = plan_source_expert(tile_end.data(), experts, s);
 }
 
@@ -2138,8 +2140,8 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // share one source, one split and half of or a whole 128-column block); x and y [m, total_cols] in the model's dtype A
 // (fp16 or bf16). Launched as a programmatic dependent (PDL): the first trellis loads are issued before the wait for
 // the kernel that wrote x, and nothing is written before it. With xh_all (fp16 [num, m, K], had_in_group's output:
-// the two-launch form) a block copies its slice of the rotated x instead of rotating it: from two rows on, the
-// rotation every block repeats costs more than the launch it saves, while the output rotation stays folded in.
+// the two-launch form, opt-in: slower than three launches as a kernel, decisions.md) a block copies its slice of the
+// rotated x instead of rotating it, while the output rotation stays folded in.
 template <int K2, int CB, int MT, int KW, typename A>
 __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x, const half* __restrict__ xh_all,
                                                                 const GroupSource* __restrict__ srcs, int num,
