@@ -2143,7 +2143,8 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // the two-launch form, opt-in: slower than three launches as a kernel, decisions.md) a block copies its slice of the
 // rotated x instead of rotating it, while the output rotation stays folded in.
 template <int K2, int CB, int MT, int KW, typename A>
-__global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x, const half* __restrict__ xh_all,
+__global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x,
+                                                                const half* __restrict__ xh_all,
                                                                 const GroupSource* __restrict__ srcs, int num,
                                                                 float* __restrict__ partial,
                                                                 int* __restrict__ counters, A* __restrict__ out, int m,
