@@ -10,7 +10,8 @@ again after every row, so a run cut short keeps what it measured.
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
   python benchmarks/e2e.py --profile-steps 16 ...   (also: where a decode step's GPU time goes, per kernel category,
                                                      at --profile-batches, 1 and 64 by default, for every served model:
-                                                     e2e-profile-<gpu>.{json,md})
+                                                     e2e-profile-<gpu>.{json,md}; the top kernels per step,
+                                                     with launches and time per launch: e2e-profile-kernels-<gpu>)
   python benchmarks/e2e.py --serving-concurrency 1,16,64 ...   (also: SGLang's own load generator against each
                                                      server, random-ids 512 in / 128 out: output tok/s and mean ITL)
 """
@@ -100,8 +101,15 @@ def profile_rows(rows: list[dict]) -> list[dict]:
     for row in rows:
         for bs, cats in row.get("profile", {}).items():
             out += [{"model": row["model"], "batch": bs, "category": c, "us_per_step": round(us, 2)}
-                    for c, us in cats.items()]
+                    for c, us in cats.items() if c != "top_kernels"]
     return out
+
+
+def kernel_rows(rows: list[dict]) -> list[dict]:
+    """Long-form rows (model, batch, kernel, ...) of each profile's top kernels."""
+    return [{"model": row["model"], "batch": bs, **{k: round(v, 2) if isinstance(v, float) else v
+                                                     for k, v in kernel.items()}}
+            for row in rows for bs, cats in row.get("profile", {}).items() for kernel in cats.get("top_kernels", [])]
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -175,6 +183,9 @@ def main() -> int:
         if args.profile_steps:
             write_results(f"{name}-profile", {**head, "profile_steps": args.profile_steps}, profile_rows(rows),
                           ["model", "batch", "category", "us_per_step"])
+            write_results(f"{name}-profile-kernels", {**head, "profile_steps": args.profile_steps},
+                          kernel_rows(rows), ["model", "batch", "kernel", "category", "us_per_step",
+                                              "launches_per_step", "us_per_launch"])
 
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):
         ckpt = work / f"{args.shape}-exl3-{bits}bpw"

@@ -43,13 +43,19 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def trace_breakdown(trace: Path, steps: int) -> dict:
-    """Per-step microseconds by category from one torch-profiler trace (.json or .json.gz) of `steps` steps."""
+def kernel_events(trace: Path) -> list[dict]:
+    """The GPU kernel events of one torch-profiler trace (.json or .json.gz)."""
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     if not events:
         raise ValueError(f"{trace}: no GPU kernel events (was the profile taken with activities=['GPU']?)")
+    return events
+
+
+def trace_breakdown(trace: Path, steps: int) -> dict:
+    """Per-step microseconds by category from one torch-profiler trace (.json or .json.gz) of `steps` steps."""
+    events = kernel_events(trace)
     per = defaultdict(float)
     for e in events:
         per[category(e["name"])] += float(e["dur"])
@@ -62,9 +68,35 @@ def trace_breakdown(trace: Path, steps: int) -> dict:
     return out
 
 
+def short_name(kernel: str) -> str:
+    """A kernel's name without `void`, anonymous namespaces and its parameter list; its template arguments stay,
+    since they tell the variants apart (tile rows, codebook, output type)."""
+    name = kernel.replace("(anonymous namespace)::", "").removeprefix("void ")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0 and i > 0:
+            return name[:i]
+    return name
+
+
+def top_kernels(trace: Path, steps: int, top: int = 15) -> list[dict]:
+    """The `top` kernels by time per step, each with its launches per step and mean time per launch: which
+    rotation or GEMM variant a category's time comes from."""
+    per, count = defaultdict(float), defaultdict(int)
+    for e in kernel_events(trace):
+        name = short_name(e["name"])
+        per[name] += float(e["dur"])
+        count[name] += 1
+    ranked = sorted(per, key=lambda n: -per[n])[:top]
+    return [{"kernel": n, "category": category(n), "us_per_step": per[n] / steps,
+             "launches_per_step": count[n] / steps, "us_per_launch": per[n] / count[n]} for n in ranked]
+
+
 def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: list[list[int]]) -> dict:
     """Start `batch` greedy decodes on the server at `base`, profile `steps` of its steps once they run, and return
-    trace_breakdown of the trace SGLang wrote. `post(url, json)` is the caller's HTTP helper."""
+    trace_breakdown of the trace SGLang wrote, with its top_kernels under "top_kernels". `post(url, json)` is the
+    caller's HTTP helper."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # long enough to still be decoding after the 1 s lead-in and the profiled steps, even at ~200 steps/s
     params = {"max_new_tokens": 1024 + 8 * steps, "temperature": 0, "ignore_eos": True}
@@ -86,4 +118,4 @@ def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: 
             raise RuntimeError(f"SGLang wrote no trace under {out_dir} within {TRACE_WAIT_S} s")
         time.sleep(1.0)
     time.sleep(2.0)  # a trace that just appeared may still be being written
-    return trace_breakdown(traces[-1], steps)
+    return {**trace_breakdown(traces[-1], steps), "top_kernels": top_kernels(traces[-1], steps)}

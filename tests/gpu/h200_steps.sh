@@ -299,7 +299,7 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --bits "${E2E_BITS:-4}" --backend cuda --workdir /tmp/e2e \
       ${E2E_ARGS:-} 2>&1 | tee "$work/e2e.txt" | tail -20
     cp benchmarks/results/e2e-h[0-9]*.* /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
-    if [[ "${E2E_ARGS:-}" == *--profile-steps* ]]; then cp benchmarks/results/e2e-profile-h[0-9]*.* "$work/"; fi
+    if [[ "${E2E_ARGS:-}" == *--profile-steps* ]]; then cp benchmarks/results/e2e-profile-*.* "$work/"; fi
     ;;
   load)
     site_env
