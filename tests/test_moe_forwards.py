@@ -42,6 +42,12 @@ def test_plan_places_every_pair_in_a_tile_of_its_expert(tokens, topk, experts, t
         assert bool((r[1:] > r[:-1]).all())
 
 
+def test_plan_of_no_pairs_is_empty():
+    """A routing with no pairs (an empty batch slice) plans no tiles rather than failing."""
+    plan = sorted_plan(torch.zeros(0, dtype=torch.int32), 8, 16)
+    assert plan.rows.numel() == 0 and int(plan.filled) == 0 and plan.sources == max_tiles(0, 8, 16)
+
+
 def test_table_owns_items_for_filled_tiles_only():
     """Two banks over a plan with empty sources: per-source fields (unsplit: the tiles give the parallelism), and
     the items of the second bank start right after the first bank's filled tiles (the kernels binary-search
