@@ -19,9 +19,9 @@ again after every row, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -45,17 +45,25 @@ def _weights_mem_gb(log: Path) -> float | None:
     return float(m.group(1)) if m else None
 
 
+DECODE_REPEATS = 3
+
+
 def measure(base: str) -> dict:
+    """Decode tok/s per batch size: the batch's prompts sent as one request (one prefill, then `bs` rows decoding
+    together; threads per prompt let the scheduler start some before the rest arrive, which put extra prefill steps
+    into the decode and moved batch 8 by ~15% between two servers of the same model), the median of
+    DECODE_REPEATS runs; then prefill tok/s."""
     out = {}
     ids = [[(i * 37 + j * 11) % 120000 + 100 for j in range(32)] for i in range(max(DECODE_BATCHES))]
     post(base + "/generate", {"input_ids": ids[:8], "sampling_params": {"max_new_tokens": 8}})  # warm-up
+    params = {"max_new_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True}
     for bs in DECODE_BATCHES:
-        params = {"max_new_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True}
-        t0 = time.time()
-        with concurrent.futures.ThreadPoolExecutor(bs) as pool:
-            list(pool.map(lambda p, sp=params: post(base + "/generate", {"input_ids": p, "sampling_params": sp}),
-                          ids[:bs]))
-        out[f"decode_bs{bs}_tok_s"] = bs * DECODE_TOKENS / (time.time() - t0)
+        runs = []
+        for _ in range(DECODE_REPEATS):
+            t0 = time.time()
+            post(base + "/generate", {"input_ids": ids[:bs], "sampling_params": params})
+            runs.append(bs * DECODE_TOKENS / (time.time() - t0))
+        out[f"decode_bs{bs}_tok_s"] = statistics.median(runs)
     prompts = [[(i * 101 + j * 7) % 120000 + 100 for j in range(PREFILL_LEN)] for i in range(PREFILL_BATCH)]
     t0 = time.time()
     post(base + "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1}})
