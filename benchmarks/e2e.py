@@ -48,13 +48,19 @@ def _weights_mem_gb(log: Path) -> float | None:
 DECODE_REPEATS = 3
 
 
-def measure(base: str) -> dict:
+def prompt_ids(rows: int, length: int, a: int, b: int, vocab: int) -> list[list[int]]:
+    """`rows` deterministic prompts of `length` token ids in [100, vocab) (random-weight models: any ids do)."""
+    span = min(120000, vocab - 100)
+    return [[(i * a + j * b) % span + 100 for j in range(length)] for i in range(rows)]
+
+
+def measure(base: str, vocab: int) -> dict:
     """Decode tok/s per batch size: the batch's prompts sent as one request (one prefill, then `bs` rows decoding
     together; threads per prompt let the scheduler start some before the rest arrive, which put extra prefill steps
     into the decode and moved batch 8 by ~15% between two servers of the same model), the median of
     DECODE_REPEATS runs; then prefill tok/s."""
     out = {}
-    ids = [[(i * 37 + j * 11) % 120000 + 100 for j in range(32)] for i in range(max(DECODE_BATCHES))]
+    ids = prompt_ids(max(DECODE_BATCHES), 32, 37, 11, vocab)
     post(base + "/generate", {"input_ids": ids[:8], "sampling_params": {"max_new_tokens": 8}})  # warm-up
     params = {"max_new_tokens": DECODE_TOKENS, "temperature": 0, "ignore_eos": True}
     for bs in DECODE_BATCHES:
@@ -64,7 +70,7 @@ def measure(base: str) -> dict:
             post(base + "/generate", {"input_ids": ids[:bs], "sampling_params": params})
             runs.append(bs * DECODE_TOKENS / (time.time() - t0))
         out[f"decode_bs{bs}_tok_s"] = statistics.median(runs)
-    prompts = [[(i * 101 + j * 7) % 120000 + 100 for j in range(PREFILL_LEN)] for i in range(PREFILL_BATCH)]
+    prompts = prompt_ids(PREFILL_BATCH, PREFILL_LEN, 101, 7, vocab)
     t0 = time.time()
     post(base + "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 1}})
     out["prefill_tok_s"] = PREFILL_BATCH * PREFILL_LEN / (time.time() - t0)
@@ -88,14 +94,15 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, proc, timeout=1200)
         row = {"model": label, "ready_s": time.time() - t0}
-        row.update(measure(base))
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        row.update(measure(base, vocab))
         row["weights_gb"] = _weights_mem_gb(log)
         row["kv_tokens"] = kv_tokens(log)
         for c in serving:
             result = serving_throughput(path, port, c, out)
             row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]
         if profile_steps:
-            ids = [[(i * 53 + j * 13) % 120000 + 100 for j in range(32)] for i in range(max(profile_batches))]
+            ids = prompt_ids(max(profile_batches), 32, 53, 13, vocab)
             row["profile"] = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
                               for bs in profile_batches}
         return row

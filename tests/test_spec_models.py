@@ -105,3 +105,13 @@ def test_a_missing_held_out_play_stops_the_recipe(tmp_path):
     (tmp_path / "mod.py").write_text("x = 1\n")
     with pytest.raises(SystemExit, match="held-out plays .*hamlet_gut.txt"):
         sm.split_corpus(tmp_path)
+
+
+def test_the_fixture_shape_for_profiling_is_the_trained_target():
+    """e2e --shape llama-spec-target profiles a random-trellis model of the trained target's dimensions: they must
+    not drift apart."""
+    from sglang_exl3.synth.exl3_writer import SHAPES
+
+    arch, dims = SHAPES["llama-spec-target"]
+    assert arch == "llama" and dims.vocab_size == sm.VOCAB
+    assert {k: getattr(dims, k) for k in sm.TARGET} == sm.TARGET

@@ -87,3 +87,11 @@ def test_e2e_files_categories_and_top_kernels_apart():
     assert kernel_rows(rows) == [{"model": "exl3-4bpw", "batch": 64, "kernel": "had_in_kernel<__half>",
                                   "category": "exl3 rotations", "us_per_step": 4.12, "launches_per_step": 2.0,
                                   "us_per_launch": 2.06}]
+
+
+def test_e2e_prompts_stay_inside_the_vocabulary():
+    from benchmarks.e2e import prompt_ids
+    small = prompt_ids(64, 2048, 101, 7, vocab=8192)  # the spec-target shape
+    assert len(small) == 64 and {len(p) for p in small} == {2048}
+    assert min(map(min, small)) >= 100 and max(map(max, small)) < 8192
+    assert max(map(max, prompt_ids(64, 32, 37, 11, vocab=128256))) < 120100

@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("write-fixture", help="write a random-trellis EXL3 checkpoint in exllamav3's layout")
     w.add_argument("out")
     w.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"], default="llama")
-    w.add_argument("--shape", choices=["tiny", "llama3-8b", "qwen3-30b-a3b"], default="tiny",
+    w.add_argument("--shape", choices=["tiny", "llama3-8b", "qwen3-30b-a3b", "llama-spec-target"], default="tiny",
                    help="real model dimensions (random trellis) for benchmarks; tiny for tests")
     w.add_argument("--bits", type=float, default=4)
     w.add_argument("--head-bits", type=float, default=6)

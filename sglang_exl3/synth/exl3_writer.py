@@ -64,7 +64,11 @@ LLAMA3_8B = ModelDims(hidden_size=4096, intermediate_size=14336, num_hidden_laye
 QWEN3_30B_A3B = ModelDims(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
                           num_experts_per_tok=8, moe_intermediate_size=768)
-SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B)}
+# benchmarks/spec_models.py's trained target: where decode is bound by launches rather than weight reads
+LLAMA_SPEC_TARGET = ModelDims(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=12,
+                              num_key_value_heads=4, head_dim=128, vocab_size=8192)
+SHAPES = {"llama3-8b": ("llama", LLAMA3_8B), "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
+          "llama-spec-target": ("llama", LLAMA_SPEC_TARGET)}
 
 
 def hf_config(arch: str, dims: ModelDims, bos: int = 0, eos: int = 1, pad: int = 2) -> dict:
