@@ -5,11 +5,14 @@ of x, runs the decode GEMM on it, and the last block per 128 columns rotates the
 rotation of its slice, so the block width (4 or 8 warps: half or a whole 128-column block) sets how often; PDL lets
 its first weight loads overlap the kernel before it; the two-launch form (`rotate_first`) rotates x once in its own
 launch and the blocks copy it. Rows: the product's three-launch path (`exl3_linear`, fused decode GEMM between the
-two rotation launches) and the variants. Whole linear, CUDA-graph replay over weight copies larger than L2; each
-variant is checked against the three launches.
+two rotation launches) and the variants, beside bf16 `x @ W.T` (cuBLAS) on the same shape (`bf16_vs_fastest`: its
+time over the fastest EXL3 form's, above 1 where EXL3 wins). Whole linear, CUDA-graph replay over weight copies larger
+than L2; each variant is checked against the three launches.
 
   python benchmarks/one_launch_ab.py [--shapes 4096x4096,4096x14336] [--ms 1,2,4,8,16] [--codebooks mul1,mcg]
       [--variants one8,two8]
+  python benchmarks/one_launch_ab.py --shapes 1536x2560,1536x1536,1536x8192,4096x1536 --ms 1,4,8
+      (the speculative benchmark's target: where decode is bound by launches)
 
 Writes benchmarks/results/one-launch-ab-<gpu>.{json,md}.
 """
@@ -35,6 +38,7 @@ VARIANTS = {"one4": (4, True, False), "one8": (8, True, False), "one4_nopdl": (4
 
 def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], variants: list[str]) -> list[dict]:
     copies, tiles, suh, svh, gen = _weights(k, n, bits)
+    dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]  # 4x the trellis bytes
     rows = []
     for cb in cbs:
         ones = [ck.make_one_launch([t], [suh], [svh], cb) for t in tiles]
@@ -61,6 +65,8 @@ def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook], v
                 row[f"{name}_us"] = graph_us(one, copies)
             best = min(variants, key=lambda v: row[f"{v}_us"])
             row["best"], row["best_vs_three"] = best, round(row["three_us"] / row[f"{best}_us"], 3)
+            row["bf16_us"] = graph_us(lambda i, x=x: x @ dense[i % copies].T, copies)
+            row["bf16_vs_fastest"] = round(row["bf16_us"] / min(row["three_us"], row[f"{best}_us"]), 3)
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -84,7 +90,7 @@ def main() -> None:
         k, n = (int(v) for v in shape.split("x"))
         rows += bench_shape(k, n, args.bits, ms, cbs, variants)
     columns = ["k", "n", "m", "bits", "codebook", "splits", "three_us", *[f"{v}_us" for v in variants], "best",
-               "best_vs_three"]
+               "best_vs_three", "bf16_us", "bf16_vs_fastest"]
     path = write_results("one-launch-ab", header(sys.argv), rows, columns)
     print(f"wrote {path}")
 
