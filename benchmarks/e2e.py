@@ -84,8 +84,8 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
                       profile_steps: int = 0, serving: tuple[int, ...] = (),
                       profile_batches: tuple[int, ...] = PROFILE_BATCHES) -> dict:
     """One server: its e2e row, with profile_steps its per-step kernel breakdown at profile_batches (in
-    row["profile"], {batch: {category: us per step}}), and per `serving` concurrency SGLang's load generator's
-    output tok/s and mean inter-token latency."""
+    row["profile"], {batch: {category: us per step}}; its top kernels in row["profile_kernels"], {batch: [...]}), and
+    per `serving` concurrency SGLang's load generator's output tok/s and mean inter-token latency."""
     log = out / f"e2e-server-{label}.log"
     t0 = time.time()
     proc = launch(path, port, ["--mem-fraction-static", "0.85", "--cuda-graph-max-bs-decode", "64", *extra],
@@ -103,8 +103,10 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
             row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]
         if profile_steps:
             ids = prompt_ids(max(profile_batches), 32, 53, 13, vocab)
-            row["profile"] = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
-                              for bs in profile_batches}
+            profiles = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
+                        for bs in profile_batches}
+            row["profile"] = {bs: cats for bs, (cats, _) in profiles.items()}
+            row["profile_kernels"] = {bs: kernels for bs, (_, kernels) in profiles.items()}
         return row
     finally:
         stop(proc)
@@ -116,7 +118,7 @@ def profile_rows(rows: list[dict]) -> list[dict]:
     for row in rows:
         for bs, cats in row.get("profile", {}).items():
             out += [{"model": row["model"], "batch": bs, "category": c, "us_per_step": round(us, 2)}
-                    for c, us in cats.items() if c != "top_kernels"]
+                    for c, us in cats.items()]
     return out
 
 
@@ -124,7 +126,7 @@ def kernel_rows(rows: list[dict]) -> list[dict]:
     """Long-form rows (model, batch, kernel, ...) of each profile's top kernels."""
     return [{"model": row["model"], "batch": bs, **{k: round(v, 2) if isinstance(v, float) else v
                                                      for k, v in kernel.items()}}
-            for row in rows for bs, cats in row.get("profile", {}).items() for kernel in cats.get("top_kernels", [])]
+            for row in rows for bs, kernels in row.get("profile_kernels", {}).items() for kernel in kernels]
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

@@ -53,9 +53,8 @@ def kernel_events(trace: Path) -> list[dict]:
     return events
 
 
-def trace_breakdown(trace: Path, steps: int) -> dict:
-    """Per-step microseconds by category from one torch-profiler trace (.json or .json.gz) of `steps` steps."""
-    events = kernel_events(trace)
+def trace_breakdown(events: list[dict], steps: int) -> dict:
+    """Per-step microseconds by category from one trace's kernel events (kernel_events) over `steps` steps."""
     per = defaultdict(float)
     for e in events:
         per[category(e["name"])] += float(e["dur"])
@@ -80,11 +79,11 @@ def short_name(kernel: str) -> str:
     return name
 
 
-def top_kernels(trace: Path, steps: int, top: int = 15) -> list[dict]:
-    """The `top` kernels by time per step, each with its launches per step and mean time per launch: which
-    rotation or GEMM variant a category's time comes from."""
+def top_kernels(events: list[dict], steps: int, top: int = 15) -> list[dict]:
+    """The `top` kernels of one trace's kernel events by time per step, each with its launches per step and mean
+    time per launch: which rotation or GEMM variant a category's time comes from."""
     per, count = defaultdict(float), defaultdict(int)
-    for e in kernel_events(trace):
+    for e in events:
         name = short_name(e["name"])
         per[name] += float(e["dur"])
         count[name] += 1
@@ -93,10 +92,10 @@ def top_kernels(trace: Path, steps: int, top: int = 15) -> list[dict]:
              "launches_per_step": count[n] / steps, "us_per_launch": per[n] / count[n]} for n in ranked]
 
 
-def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: list[list[int]]) -> dict:
+def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int,
+                   ids: list[list[int]]) -> tuple[dict, list[dict]]:
     """Start `batch` greedy decodes on the server at `base`, profile `steps` of its steps once they run, and return
-    trace_breakdown of the trace SGLang wrote, with its top_kernels under "top_kernels". `post(url, json)` is the
-    caller's HTTP helper."""
+    trace_breakdown and top_kernels of the trace SGLang wrote. `post(url, json)` is the caller's HTTP helper."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # long enough to still be decoding after the 1 s lead-in and the profiled steps, even at ~200 steps/s
     params = {"max_new_tokens": 1024 + 8 * steps, "temperature": 0, "ignore_eos": True}
@@ -118,4 +117,5 @@ def profile_decode(base: str, post, out_dir: Path, batch: int, steps: int, ids: 
             raise RuntimeError(f"SGLang wrote no trace under {out_dir} within {TRACE_WAIT_S} s")
         time.sleep(1.0)
     time.sleep(2.0)  # a trace that just appeared may still be being written
-    return {**trace_breakdown(traces[-1], steps), "top_kernels": top_kernels(traces[-1], steps)}
+    events = kernel_events(traces[-1])
+    return trace_breakdown(events, steps), top_kernels(events, steps)

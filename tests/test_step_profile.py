@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.step_profile import category, short_name, top_kernels, trace_breakdown  # noqa: E402
+from benchmarks.step_profile import category, kernel_events, short_name, top_kernels, trace_breakdown  # noqa: E402
 
 
 @pytest.mark.parametrize("kernel, want", [
@@ -47,14 +47,14 @@ def test_trace_breakdown_sums_per_step(tmp_path):
     trace = tmp_path / "x-TP-0.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    got = trace_breakdown(trace, steps=2)
+    got = trace_breakdown(kernel_events(trace), steps=2)
     assert got["exl3 GEMM"] == 30.0 and got["exl3 rotations"] == 2.0 and got["dense GEMM"] == 5.0
     assert got["kernels_total"] == 37.0 and got["span_us"] == 71.0 and got["kernel_count"] == 2.5
     assert list(got)[0] == "exl3 GEMM"  # largest first
     empty = tmp_path / "empty.trace.json"
     empty.write_text(json.dumps({"traceEvents": events[3:4]}))
     with pytest.raises(ValueError, match="no GPU kernel events"):
-        trace_breakdown(empty, steps=1)
+        kernel_events(empty)
 
 
 def test_top_kernels_name_the_variants_with_launches_and_time_per_launch(tmp_path):
@@ -68,7 +68,7 @@ def test_top_kernels_name_the_variants_with_launches_and_time_per_launch(tmp_pat
               {"cat": "kernel", "name": "nvjet_hsh_64x8", "ts": 30.0, "dur": 1.0}]
     trace = tmp_path / "x.trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    got = top_kernels(trace, steps=2, top=2)
+    got = top_kernels(kernel_events(trace), steps=2, top=2)
     assert [k["kernel"] for k in got] == ["had_out_group_kernel<__half>", "had_out_group_kernel<__nv_bfloat16>"]
     assert got[0] == {"kernel": "had_out_group_kernel<__half>", "category": "exl3 rotations", "us_per_step": 4.0,
                       "launches_per_step": 1.0, "us_per_launch": 4.0}
@@ -81,7 +81,7 @@ def test_e2e_files_categories_and_top_kernels_apart():
     from benchmarks.e2e import kernel_rows, profile_rows
     kernel = {"kernel": "had_in_kernel<__half>", "category": "exl3 rotations", "us_per_step": 4.123,
               "launches_per_step": 2.0, "us_per_launch": 2.0615}
-    rows = [{"model": "exl3-4bpw", "profile": {64: {"exl3 rotations": 4.123, "top_kernels": [kernel]}}}]
+    rows = [{"model": "exl3-4bpw", "profile": {64: {"exl3 rotations": 4.123}}, "profile_kernels": {64: [kernel]}}]
     assert profile_rows(rows) == [{"model": "exl3-4bpw", "batch": 64, "category": "exl3 rotations",
                                    "us_per_step": 4.12}]
     assert kernel_rows(rows) == [{"model": "exl3-4bpw", "batch": 64, "kernel": "had_in_kernel<__half>",
