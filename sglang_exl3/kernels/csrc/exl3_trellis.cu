@@ -1687,6 +1687,87 @@ __global__ void __launch_bounds__(2 * kMidItems * 32) moe_mid_kernel(
   had_in_values(a, dn[s].suh + c0, xh_dn + ((size_t)s * rows + r) * n + c0, lane);
 }
 
+// ---- a dense decoder layer's glue: residual add + RMSNorm + the next group's input rotation ------------------
+// One block per row r, one warp per 128 columns (up to 32 warps, each then taking every 32nd block). h[r] is the
+// model's row (T: fp16 or bf16), or the output rotation of a one-source group's partials (the o / down projection),
+// rounded to T as that group's own output launch writes it. x = h + residual in fp32, the residual written back as T,
+// rrms = rsqrt(mean(x^2) + eps), then for every source s of `dst`: xh_all[s, r, :] = had_in(T(x * rrms * w), suh_s)
+// with had_in's roundings. SGLang's fused_add_rmsnorm (flashinfer) forms its bf16 output from the same fp32 x, so
+// the values are the unfused norm-then-rotation's up to the order of the sum of squares.
+constexpr int kNormMaxWarps = 32;
+
+// The model's activation type (fp16 or bf16) to and from fp32, rounding to nearest
+__device__ __forceinline__ float act_float(half v) { return __half2float(v); }
+__device__ __forceinline__ float act_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T act_round(float v);
+template <> __device__ __forceinline__ half act_round<half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 act_round<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kNormMaxWarps * 32) add_norm_rotate_kernel(
+    const T* __restrict__ h, const float* __restrict__ partial, const GroupSource* __restrict__ hsrc,
+    T* __restrict__ residual, const T* __restrict__ w, float eps, const GroupSource* __restrict__ dst, int num,
+    half* __restrict__ xh_all, int rows, int cols) {
+  extern __shared__ float row_x[];  // the row's x, fp32 [cols]
+  __shared__ float warp_sums[kNormMaxWarps];
+  const int r = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int blocks = cols / 128;
+  const size_t row = (size_t)r * cols;
+  float sq = 0.f;
+  for (int b = warp; b < blocks; b += warps) {
+    const int c = b * 128 + lane * 4;
+    float x[4];
+    if (partial != nullptr) {
+      half v[4];
+      had_out_values(partial + hsrc->partial_base * rows + row + b * 128, (size_t)rows * cols, hsrc->splits,
+                     hsrc->svh + b * 128, lane, v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = act_float(act_round<T>(__half2float(v[i])));
+    } else {
+      const uint2 hv = *reinterpret_cast<const uint2*>(h + row + c);
+      const T* hp = reinterpret_cast<const T*>(&hv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = act_float(hp[i]);
+    }
+    if (residual != nullptr) {
+      uint2 rv = *reinterpret_cast<const uint2*>(residual + row + c);
+      T* rp = reinterpret_cast<T*>(&rv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[i] += act_float(rp[i]);
+        rp[i] = act_round<T>(x[i]);
+      }
+      *reinterpret_cast<uint2*>(residual + row + c) = rv;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      row_x[c + i] = x[i];
+      sq += x[i] * x[i];
+    }
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, s);
+  if (lane == 0) warp_sums[warp] = sq;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < warps; ++i) total += warp_sums[i];
+  const float rrms = rsqrtf(total / (float)cols + eps);
+  for (int b = warp; b < blocks; b += warps) {
+    const int c = b * 128 + lane * 4;
+    const uint2 wv = *reinterpret_cast<const uint2*>(w + c);
+    const T* wp = reinterpret_cast<const T*>(&wv);
+    half v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      v[i] = __float2half_rn(act_float(act_round<T>(row_x[c + i] * rrms * act_float(wp[i]))));
+    for (int s = 0; s < num; ++s)
+      if (dst[s].n_tiles != 0) had_in_values(v, dst[s].suh + b * 128, xh_all + (size_t)s * rows * cols + row + b * 128,
+                                             lane);
+  }
+}
+
 // moe_tail: out[t, c] (fp32) = sum over j < top-k, in order, of w[p] * y_p[c], p = t * top-k + j, ids below 0
 // skipped, where y_p is pair p's row of the down projection rotated here from its partials: output rotation and
 // combine in one launch. One block per (token, 128 columns), its warps rotate the top-k rows in parallel, one warp
@@ -2564,21 +2645,27 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 // longest slice of any source); ring_mode (exl3_gemm_partial_ring's; any m; every source's N a multiple of 16 *
 // its warps): x through the ring instead. The partials are the same bit for bit. counters (ring only; int32, one per
 // 64-row block and 128 output columns, at least counters_len; zero, and left zero): the ring launch rotates the
-// output itself, so two launches in all; nullptr: the separate output rotation.
+// output itself, so two launches in all; nullptr: the separate output rotation. x null: xh_all already holds the
+// rotated inputs (exl3_add_norm_rotate, exl3_mlp_mid), no input rotation; out null: no output rotation, the caller
+// reads the partials (exl3_add_norm_rotate, exl3_mlp_mid), one launch in all.
 int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, void* xh_all, void* partial, void* out,
                       int y_bf16, int m, int k_tiles, int total_items, int total_cols, int k2, int codebook,
                       int xs_slice, int ring_mode, void* counters, long long counters_len, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   const bool ring = ring_mode_ok(ring_mode), wg = wg_mode_ok(ring_mode);
   // the ring's output rotation in its own launch needs a counter per 64-row block and 128 columns
-  if (counters != nullptr && (!ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
+  if (counters != nullptr && (out == nullptr || !ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
                                                           (total_cols / 128)))
     return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, out_items = m * (total_cols / 128);
-  if (x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
-  else launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
+  if (x == nullptr) {  // xh_all already holds the rotated inputs (exl3_add_norm_rotate, exl3_mlp_mid)
+  } else if (x_bf16) {
+    launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
+  } else {
+    launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
+  }
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int* c = (int*)counters;
@@ -2594,7 +2681,7 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
                                                                  s))
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
-  if (code != 0 || c != nullptr) return code;
+  if (code != 0 || c != nullptr || out == nullptr) return code;  // out null: the caller consumes the partials
   auto rotate_out = [&](auto* o) {
     if (use_octet(out_items, true))
       had_out_group_octet_kernel<<<octet_grid(out_items), 256, 0, s>>>(p, srcs, num, o, m, total_cols);
@@ -2881,6 +2968,48 @@ int exl3_slab_tail(const void* y, const void* ids, int ids_bytes, const void* w,
 // Host-side reading of a group table as the kernels read it (tests on machines without a GPU: the Python side's
 // packing and the source lookup). table in host memory; out[0..6] = source of `item`, source of `col`, and that
 // item's source's n_tiles, splits, x_row, item_begin, partial_base.
+// A dense decoder layer's norm (add_norm_rotate_kernel): residual add + RMSNorm + the input rotation of every source
+// of `dst_table` (num sources, GroupSource layout) in one launch. The activations h, residual and w are bf16, or
+// fp16 (bf16 = 0). h: [rows, cols]; or null, with h_table (a one-source group) and its fp32 partials from
+// exl3_group_linear with out null: h is then that group's output, rotated here. residual: [rows, cols], x + residual
+// written back (null: none, x = h). w: [cols].
+// xh_all: fp16 [num, rows, cols], what exl3_group_linear with x null reads.
+int exl3_add_norm_rotate(const void* h, const void* h_table, const void* partial, void* residual, const void* w,
+                         int bf16, float eps, const void* dst_table, int num, void* xh_all, int rows, int cols,
+                         void* stream) {
+  const size_t smem = (size_t)cols * sizeof(float);
+  if (rows <= 0 || cols <= 0 || cols % 128 || num <= 0 || (h == nullptr) == (partial == nullptr) ||
+      (partial != nullptr && h_table == nullptr) || smem > (200u << 10))
+    return -3;
+  auto s = (cudaStream_t)stream;
+  const int warps = cols / 128 < kNormMaxWarps ? cols / 128 : kNormMaxWarps;
+  auto launch = [&](auto* act) {
+    using T = std::remove_pointer_t<decltype(act)>;
+    // not a stream operation, so CUDA-graph capture allows it (see launch_linear_decode)
+    if (smem > (48u << 10))
+      cudaFuncSetAttribute(add_norm_rotate_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    add_norm_rotate_kernel<T><<<rows, warps * 32, smem, s>>>(
+        (const T*)h, (const float*)partial, (const GroupSource*)h_table, (T*)residual, (const T*)w, eps,
+        (const GroupSource*)dst_table, num, (half*)xh_all, rows, cols);
+  };
+  if (bf16) launch((__nv_bfloat16*)nullptr);
+  else launch((half*)nullptr);
+  return (int)cudaGetLastError();
+}
+
+// A dense MLP's middle (moe_mid_kernel over one source): gu_table's gate and up sources (a two-source group run by
+// exl3_group_linear with out null, fp32 partials) -> xh_dn fp16 [rows, n] = had_in(act(gate) * up, down's suh),
+// with the fp16 roundings of the unfused MoE path. dn_table: the down projection's one-source group.
+int exl3_mlp_mid(const void* partial, const void* gu_table, const void* dn_table, int rows, int n, void* xh_dn,
+                 int gelu, void* stream) {
+  if (rows <= 0 || n <= 0 || n % 128) return -3;
+  const long long items = (long long)rows * (n / 128);
+  moe_mid_kernel<<<(unsigned)((items + kMidItems - 1) / kMidItems), 2 * kMidItems * 32, 0, (cudaStream_t)stream>>>(
+      (const float*)partial, (const GroupSource*)gu_table, (const GroupSource*)dn_table, 1, rows, n, (half*)xh_dn,
+      gelu);
+  return (int)cudaGetLastError();
+}
+
 int exl3_group_probe(const void* table, int num, long long item, long long col, long long* out) {
   if (num <= 0 || !table || !out) return -3;
   auto srcs = (const GroupSource*)table;
@@ -2927,7 +3056,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 23; }
+int exl3_abi_version(void) { return 24; }
 
 const char* exl3_error_string(int code) {
   switch (code) {

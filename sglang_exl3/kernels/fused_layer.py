@@ -1,0 +1,155 @@
+"""A dense decoder layer's EXL3 glue in fewer launches (our CUDA kernels), and its torch reference.
+
+Around each group GEMM the unfused layer launches an input rotation, an output rotation and SGLang's elementwise
+kernels: residual add + RMSNorm before q/k/v and before gate/up, SiLU-and-mul before down. Each rotation is local to
+its 128 columns, so these fold together:
+- `add_norm_rotate`: residual add + RMSNorm + the next group's input rotation, one launch (the norm's output is
+  written only in its rotated forms); it can start from a one-source group's partials (the o projection), whose
+  output rotation it then does too.
+- `group_partials` / `group_from_rotated`: a group's GEMM from already-rotated inputs, with or without its output
+  rotation (exl3_group_linear with x or out null).
+- `mlp_mid`: gate/up's output rotation + act(gate) * up + down's input rotation, one launch (MoE's moe_mid).
+A Llama layer then takes 10 launches around its attention instead of 15 (layers/fused_decoder.py). The values are
+the unfused path's up to the order of the norm's sum of squares and the MLP's roundings (fp16 where SGLang's
+SiLU-and-mul rounds to bf16), so its test is parity with the reference below, not bit equality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_exl3.codec.hadamard import had_r_128
+from sglang_exl3.kernels.cuda_trellis import Exl3Group, _check, _stream, load_library
+
+
+def _launch_group(group: Exl3Group, m: int, xh: torch.Tensor, x: torch.Tensor | None,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """exl3_group_linear at the group's policy for m rows (ring, x slice or global loads); x None: xh holds the
+    rotated inputs already; out None: no output rotation. Returns the fp32 partials."""
+    if not group.runs_fused(m):
+        raise ValueError(f"this EXL3 group does not run {m} rows on its fused GEMM (Exl3Group.runs_fused)")
+    ring = group.ring_mode(m)
+    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=xh.device)
+    x_bf16 = int(x is not None and x.dtype == torch.bfloat16)
+    y_bf16 = int(out is not None and out.dtype == torch.bfloat16)
+    _check(load_library().exl3_group_linear(None if x is None else x.data_ptr(), x_bf16, group.table.data_ptr(),
+                                            group.num, xh.data_ptr(), partial.data_ptr(),
+                                            None if out is None else out.data_ptr(), y_bf16, m, group.k_tiles,
+                                            group.total_items, group.total_cols, group.k2, group.codebook,
+                                            0 if ring else group.xs_slice(m), ring, None, 0, _stream(xh)),
+           "group linear")
+    return partial
+
+
+def _rotated_inputs(group: Exl3Group, m: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=device)
+
+
+def group_partials(group: Exl3Group, x: torch.Tensor | None = None, xh: torch.Tensor | None = None) -> torch.Tensor:
+    """The group's fp32 split-K partials for bf16 / fp16 x [m, K] (input rotation + GEMM), or for its rotated
+    inputs xh [num, m, K] (GEMM only): what add_norm_rotate and mlp_mid read."""
+    if (x is None) == (xh is None):
+        raise ValueError("group_partials takes x or its rotated inputs xh, not both")
+    m = x.shape[0] if x is not None else xh.shape[1]
+    if x is not None:
+        _check_rows("x", x, m, group.k_tiles * 16)
+        xh = _rotated_inputs(group, m, x.device)
+    else:
+        _check_xh(xh, group, m)
+    return _launch_group(group, m, xh, x, None)
+
+
+def group_from_rotated(group: Exl3Group, xh: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[m, total_cols] of `dtype` (fp16, or bf16 rounded from it) from the group's rotated inputs xh [num, m, K]:
+    the GEMM and the output rotation, two launches."""
+    m = xh.shape[1]
+    _check_xh(xh, group, m)
+    out = torch.empty(m, group.total_cols, dtype=dtype, device=xh.device)
+    _launch_group(group, m, xh, None, out)
+    return out
+
+
+def add_norm_rotate(dst: Exl3Group, weight: torch.Tensor, eps: float, h: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, h_group: Exl3Group | None = None,
+                    partial: torch.Tensor | None = None, m: int | None = None) -> torch.Tensor:
+    """dst's rotated inputs fp16 [num, m, K] from rmsnorm(h + residual) * weight rounded to the model's dtype (that
+    of `weight`: bf16 or fp16), one launch. h: [m, K]; or `partial` of the one-source group `h_group`
+    (group_partials), h being that group's output. residual: [m, K], updated in place to h + residual (None: x = h,
+    SGLang's first layer). `m`: rows, with partial."""
+    if (h is None) == (partial is None) or (partial is not None and (h_group is None or h_group.num != 1 or m is None)):
+        raise ValueError("add_norm_rotate takes h, or the partials of a one-source h_group with m")
+    cols, dtype = dst.k_tiles * 16, weight.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"add_norm_rotate: the norm weight must be fp16 or bf16, got {dtype}")
+    if h is not None:
+        m = h.shape[0]
+        _check_rows("h", h, m, cols, dtype)
+    elif h_group.total_cols != cols or partial.numel() != h_group.partial_per_row * m:
+        raise ValueError(f"add_norm_rotate: h_group writes {h_group.total_cols} columns with "
+                         f"{h_group.partial_per_row * m} partials for {m} rows; dst reads {cols} columns, got "
+                         f"{partial.numel()} partials")
+    if residual is not None:
+        _check_rows("residual", residual, m, cols, dtype)
+    _check_rows("weight", weight.view(1, -1), 1, cols, dtype)
+    xh = _rotated_inputs(dst, m, weight.device)
+    _check(load_library().exl3_add_norm_rotate(
+        None if h is None else h.data_ptr(), None if h_group is None else h_group.table.data_ptr(),
+        None if partial is None else partial.data_ptr(), None if residual is None else residual.data_ptr(),
+        weight.data_ptr(), int(dtype == torch.bfloat16), float(eps), dst.table.data_ptr(), dst.num, xh.data_ptr(),
+        m, cols, _stream(xh)), "add_norm_rotate")
+    return xh
+
+
+def mlp_mid(partial: torch.Tensor, gate_up: Exl3Group, down: Exl3Group, m: int, gelu: bool = False) -> torch.Tensor:
+    """down's rotated inputs fp16 [1, m, I] = had_in(act(gate) * up, down's suh) from gate_up's partials (a
+    two-source group: gate, then up, each I wide), one launch."""
+    inter = down.k_tiles * 16
+    if gate_up.num != 2 or down.num != 1 or gate_up.total_cols != 2 * inter or \
+            partial.numel() != gate_up.partial_per_row * m:
+        raise ValueError(f"mlp_mid needs gate/up as one two-source group of 2 x {inter} columns and down as one "
+                         f"source reading {inter}, got {gate_up.num} sources of {gate_up.total_cols} columns, "
+                         f"{down.num} down sources, {partial.numel()} partials for {m} rows")
+    xh = _rotated_inputs(down, m, partial.device)
+    _check(load_library().exl3_mlp_mid(partial.data_ptr(), gate_up.table.data_ptr(), down.table.data_ptr(), m, inter,
+                                       xh.data_ptr(), int(gelu), _stream(partial)), "mlp_mid")
+    return xh
+
+
+def _check_rows(name: str, t: torch.Tensor, m: int, cols: int, dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != (m, cols) or not t.is_cuda or not t.is_contiguous() or \
+            t.dtype not in ((dtype,) if dtype else (torch.float16, torch.bfloat16)):
+        raise ValueError(f"{name} must be a contiguous CUDA {dtype or 'fp16 / bf16'} tensor [{m}, {cols}], got "
+                         f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _check_xh(xh: torch.Tensor, group: Exl3Group, m: int) -> None:
+    if tuple(xh.shape) != (group.num, m, group.k_tiles * 16) or xh.dtype != torch.float16 or not xh.is_contiguous():
+        raise ValueError(f"rotated inputs must be contiguous fp16 [{group.num}, {m}, {group.k_tiles * 16}], got "
+                         f"{xh.dtype} {list(xh.shape)}")
+
+
+# ---- the torch reference (any device): the same roundings, the kernels' tests compare against it ----------------
+
+def torch_add_norm_rotate(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          suh: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rotated inputs fp16 [len(suh), m, K], the updated residual or None) for h, residual [m, K] and the norm's
+    weight, all of the model's dtype (bf16 or fp16)."""
+    x = h.float() if residual is None else h.float() + residual.float()
+    rrms = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    normed = (x * rrms * weight.float()).to(weight.dtype).to(torch.float16)
+    xh = torch.stack([had_r_128(normed, pre_scale=s) for s in suh])
+    return xh, None if residual is None else x.to(weight.dtype)
+
+
+def torch_output_rotation(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """A linear's fp16 output from its fp32 accumulator [m, N] (the sum of its split-K partials)."""
+    return had_r_128(acc.float(), post_scale=svh, out_dtype=torch.float16)
+
+
+def torch_mlp_mid(gate_acc: torch.Tensor, up_acc: torch.Tensor, gate_svh: torch.Tensor, up_svh: torch.Tensor,
+                  down_suh: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """down's rotated inputs fp16 [m, I] from gate's and up's fp32 accumulators [m, I]."""
+    gate = torch_output_rotation(gate_acc, gate_svh).float()
+    up = torch_output_rotation(up_acc, up_svh).float()
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    return had_r_128((act * up).to(torch.float16), pre_scale=down_suh)

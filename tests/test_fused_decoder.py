@@ -1,0 +1,128 @@
+"""The fused EXL3 decoder layer (SGLANG_EXL3_FUSED_DECODER) on SGLang's real Llama classes, on the CPU: its torch
+reference (the same steps and roundings as the fused kernels) against SGLang's own forward of the same layer, what
+keeps a layer unfused, and when a call takes the fused path. The kernels themselves are compared against this
+reference on the GPU (tests/gpu/test_fused_layer_cuda.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import DATA
+from sglang_cpu import load_as_server, sglang_runtime
+from sglang_exl3.layers import fused_decoder as fd
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+LLAMA = DATA / "exllamav3" / "tiny-llama-mul1-4bpw"
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def model(request):
+    sglang_runtime(str(LLAMA))
+    model, cfg = load_as_server(LLAMA, dtype=request.param)
+    assert cfg is not None
+    for layer in model.model.layers:
+        layer.self_attn.attn = RowAttention(layer.self_attn)
+    return model
+
+
+class RowAttention(torch.nn.Module):
+    """Causal attention over the call's rows as one sequence, standing in for RadixAttention, which needs a model
+    runner's KV pools (the GPU test serves the real one). Both forwards compared here call the same module."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def forward(self, q, k, v, forward_batch):
+        m, dtype = q.shape[0], q.dtype
+        q = q.reshape(m, self.heads, self.head_dim).transpose(0, 1).float()
+        k = k.reshape(m, self.kv_heads, self.head_dim).transpose(0, 1).float()
+        v = v.reshape(m, self.kv_heads, self.head_dim).transpose(0, 1).float()
+        rep = self.heads // self.kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
+                                                               v.repeat_interleave(rep, 0), is_causal=True)
+        return out.transpose(0, 1).reshape(m, -1).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["no-residual", "residual"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_reference_plan_equals_sglangs_forward(model, first, rows):
+    """The fused steps (reference ops) give SGLang's LlamaDecoderLayer.forward: output and residual, including the
+    first layer's (no residual in: hidden_states becomes it) and the residual updated in place."""
+    gen = torch.Generator().manual_seed(rows)
+    for layer in model.model.layers:
+        plan = fd.build_plan(layer, reference=True)
+        assert plan is not None and plan.serves(rows)
+        dtype = layer.input_layernorm.weight.dtype
+        hidden = torch.randn(rows, 256, generator=gen).to(dtype)
+        residual = None if first else torch.randn(rows, 256, generator=gen).to(dtype)
+        positions = torch.arange(rows)
+        want_h, want_r = type(layer).forward(layer, positions, hidden.clone(), None,
+                                             None if first else residual.clone())
+        got_in = hidden.clone()
+        got_res = None if first else residual.clone()
+        got_h, got_r = fd.fused_forward(layer, plan, positions, got_in, None, got_res)
+        assert got_r is (got_in if first else got_res)  # updated in place, as fused_add_rmsnorm does
+        assert _rel(got_r, want_r) < 1e-2 and _rel(got_h, want_h) < 2e-2, (_rel(got_r, want_r), _rel(got_h, want_h))
+
+
+def test_blockers_name_what_keeps_a_layer_unfused(model, monkeypatch):
+    layer = model.model.layers[0]
+    assert fd.fusion_blockers(layer, need_kernels=False) == []
+    on_cpu = fd.fusion_blockers(layer)
+    assert len(on_cpu) == 4 and all("does not run on our CUDA kernels" in b for b in on_cpu)
+    assert fd.build_plan(layer) is None
+    monkeypatch.setenv("SGLANG_EXL3_CHECK_OUTPUTS", "1")
+    assert any("CHECK_OUTPUTS" in b for b in fd.fusion_blockers(layer, need_kernels=False))
+    monkeypatch.delenv("SGLANG_EXL3_CHECK_OUTPUTS")
+    changed = copy.copy(layer)
+    changed.mlp = copy.copy(layer.mlp)
+    changed.mlp.down_proj = copy.copy(layer.mlp.down_proj)
+    changed.mlp.down_proj.tp_size = 2
+    changed.mlp.down_proj.exl3_shards = layer.mlp.down_proj.exl3_shards * 2
+    assert fd.fusion_blockers(changed, need_kernels=False) == [
+        "mlp.down_proj is tensor-parallel (o / down's all-reduce sits between the GEMM and the norm)",
+        "mlp.down_proj: 2 sources that cannot share launches (want 1)"]
+    changed.post_attention_layernorm = copy.copy(layer.post_attention_layernorm)
+    changed.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight.float())
+    assert "post_attention_layernorm is not a plain fp16 / bf16 RMSNorm" in fd.fusion_blockers(changed,
+                                                                                                need_kernels=False)
+    assert fd.fusion_blockers(torch.nn.Linear(2, 2)) == [
+        "Linear is not SGLang's LlamaDecoderLayer with its own attention and MLP"]
+
+
+def test_a_call_takes_the_fused_path_only_where_the_plan_serves_it(model):
+    from sglang_exl3.integration.hooks import fused_decoder_forward
+
+    layer = model.model.layers[1]
+    plan = fd.build_plan(layer, reference=True)
+    dtype = layer.input_layernorm.weight.dtype
+    h = torch.randn(3, 256).to(dtype)
+    assert fd.takes(plan, layer, h, h.clone())
+    assert not fd.takes(None, layer, h, None)
+    assert not fd.takes(plan, layer, h.float(), None)  # rows of another dtype than the norms': SGLang's forward
+    assert not fd.takes(plan, layer, torch.randn(256, 3).to(dtype).t(), None)  # not contiguous
+    assert not fd.takes(plan, layer, h, h[:2].clone())  # residual of another shape
+    calls = []
+
+    def original(self, *args):
+        calls.append(args)
+        return "sglang"
+
+    layer.exl3_fused = plan
+    try:
+        out, residual = fused_decoder_forward(original, layer, torch.arange(3), h.clone(), None, h.clone())
+        assert not calls and out.shape == h.shape and residual.shape == h.shape
+        layer.mlp.gate_up_proj.exl3_shards = [copy.copy(s) for s in plan.gate_up.shards]  # a reload's new shards
+        assert fused_decoder_forward(original, layer, torch.arange(3), h, None, None) == "sglang" and len(calls) == 1
+    finally:
+        layer.mlp.gate_up_proj.exl3_shards = list(plan.gate_up.shards)
+        del layer.exl3_fused
