@@ -38,6 +38,8 @@
 #                                         on the carried corpus into /tmp/specmodels ($SPEC_TRAIN_ARGS)
 # spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
 # spec-bench                              benchmarks/spec_decode.py on /tmp/specmodels ($SPEC_BENCH_ARGS, e.g. --only ...)
+# fusedab                                 benchmarks/fused_layer_ab.py: a Llama layer's linears and glue in the fused
+#                                         decoder's launches against today's and bf16 ($FUSEDAB_ARGS; needs sglang)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
@@ -296,6 +298,12 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     site_env
     parity pw --ckpt tiny-llama-mul1-4bpw --extra="--cuda-graph-backend-prefill tc_piecewise"
     grep -ho "cuda_graph_backend_prefill='[^']*'" "$work"/pw/server-*-exl3.log | head -1
+    ;;
+  fusedab)  # benchmarks/fused_layer_ab.py: a decoder layer's linears and glue fused / unfused / bf16 (SGLang's kernels)
+    site_env
+    PYTHONPATH=$PWD timeout "${FUSEDAB_TIMEOUT:-300}" python3 benchmarks/fused_layer_ab.py ${FUSEDAB_ARGS:-} 2>&1 |
+      tee "$work/fusedab.txt" | grep -v "^{" | tail -12
+    cp benchmarks/results/fused-layer-ab* "$work/" 2>/dev/null
     ;;
   e2e)  # Llama-3-8B-shaped EXL3 ($E2E_BITS, 4 by default) against its bf16 twin
     site_env
