@@ -126,3 +126,27 @@ def test_a_call_takes_the_fused_path_only_where_the_plan_serves_it(model):
     finally:
         layer.mlp.gate_up_proj.exl3_shards = list(plan.gate_up.shards)
         del layer.exl3_fused
+
+
+def test_the_knob_registers_the_hooks(monkeypatch):
+    """The fused layer's two hooks are registered only with SGLANG_EXL3_FUSED_DECODER on (SGLang's registry, restored
+    afterwards)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_exl3.integration import hooks
+
+    target = "sglang.srt.models.llama.LlamaDecoderLayer.forward"
+    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    try:
+        for on in (False, True):
+            HookRegistry._hooks.clear()
+            monkeypatch.setenv("SGLANG_EXL3_FUSED_DECODER", "1" if on else "0")
+            hooks.register_hooks()
+            forward = [hook for _, hook, _ in HookRegistry._hooks.get(target, [])]
+            loader = [hook for _, hook, _ in HookRegistry._hooks[
+                "sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess"]]
+            assert forward == ([hooks.fused_decoder_forward] if on else [])
+            assert (hooks.fused_decoder_plans in loader) == on
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved)
