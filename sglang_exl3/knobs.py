@@ -97,7 +97,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TWO_LAUNCH_MAX_M", "0", "choice", tuple(str(m) for m in range(17)), "the same layers with more rows than "
          "ONE_LAUNCH_MAX_M and at most this many run as two launches: x rotated once, then the GEMM that rotates its "
          "own output; 0: three launches above ONE_LAUNCH_MAX_M"),
-    Knob("FUSED_DECODER", False, "flag", help="dense Llama decoder layers on our CUDA kernels at tp 1: the residual "
+    Knob("FUSED_DECODER", False, "flag", help="Llama / Qwen2 decoder layers on our CUDA kernels at tp 1: the residual "
          "add + RMSNorm folded into the next group's input rotation, and gate/up's output rotation + SiLU-and-mul "
          "into down's input rotation: 10 launches around the attention instead of 15, from 2 rows up (not "
          "bit-identical: the norm's sum order, the MLP's fp16 roundings)"),

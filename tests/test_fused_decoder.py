@@ -6,6 +6,7 @@ reference on the GPU (tests/gpu/test_fused_layer_cuda.py)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +20,23 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 LLAMA = DATA / "exllamav3" / "tiny-llama-mul1-4bpw"
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def model(request):
+def _qwen2(root: Path) -> Path:
+    """A Qwen2 written by the fixture writer: q/k/v with biases."""
+    from sglang_exl3.synth.exl3_writer import ModelDims, write_exl3_checkpoint
+
+    return write_exl3_checkpoint(root / "qwen2", "qwen2", dims=ModelDims(), bits=4, codebook="mul1",
+                                 with_tokenizer=False)
+
+
+@pytest.fixture(scope="module", params=[("llama", torch.bfloat16), ("llama", torch.float16), ("qwen2", torch.bfloat16)],
+                ids=["llama-bf16", "llama-fp16", "qwen2-bf16"])
+def model(request, tmp_path_factory):
     sglang_runtime(str(LLAMA))
-    model, cfg = load_as_server(LLAMA, dtype=request.param)
+    arch, dtype = request.param
+    path = LLAMA if arch == "llama" else _qwen2(tmp_path_factory.mktemp("qwen2"))
+    model, cfg = load_as_server(path, dtype=dtype)
     assert cfg is not None
+    assert (model.model.layers[0].self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
     for layer in model.model.layers:
         layer.self_attn.attn = RowAttention(layer.self_attn)
     return model
@@ -96,7 +109,7 @@ def test_blockers_name_what_keeps_a_layer_unfused(model, monkeypatch):
     assert "post_attention_layernorm is not a plain fp16 / bf16 RMSNorm" in fd.fusion_blockers(changed,
                                                                                                 need_kernels=False)
     assert fd.fusion_blockers(torch.nn.Linear(2, 2)) == [
-        "Linear is not SGLang's LlamaDecoderLayer with its own attention and MLP"]
+        "Linear is not SGLang's Llama or Qwen2 decoder layer with its own attention and MLP"]
 
 
 def test_a_call_takes_the_fused_path_only_where_the_plan_serves_it(model):
@@ -135,17 +148,18 @@ def test_the_knob_registers_the_hooks(monkeypatch):
 
     from sglang_exl3.integration import hooks
 
-    target = "sglang.srt.models.llama.LlamaDecoderLayer.forward"
+    targets = [f"sglang.srt.models.{c.__module__.rsplit('.', 1)[1]}.{c.__name__}.forward" for c in fd.layer_classes()]
     saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
     try:
         for on in (False, True):
             HookRegistry._hooks.clear()
             monkeypatch.setenv("SGLANG_EXL3_FUSED_DECODER", "1" if on else "0")
             hooks.register_hooks()
-            forward = [hook for _, hook, _ in HookRegistry._hooks.get(target, [])]
+            for target in targets:
+                forward = [hook for _, hook, _ in HookRegistry._hooks.get(target, [])]
+                assert forward == ([hooks.fused_decoder_forward] if on else []), target
             loader = [hook for _, hook, _ in HookRegistry._hooks[
                 "sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess"]]
-            assert forward == ([hooks.fused_decoder_forward] if on else [])
             assert (hooks.fused_decoder_plans in loader) == on
     finally:
         HookRegistry._hooks.clear()

@@ -268,8 +268,8 @@ def qwen3_5_text_weights(original, self, weights, *args, **kwargs):
 
 
 def fused_decoder_plans(result, model, *args, **kwargs):
-    """AFTER `DefaultModelLoader.load_weights_and_postprocess` (SGLANG_EXL3_FUSED_DECODER): every eligible Llama decoder
-    layer gets its fused plan once its linears hold their final weights (layers/fused_decoder.py)."""
+    """AFTER `DefaultModelLoader.load_weights_and_postprocess` (SGLANG_EXL3_FUSED_DECODER): every eligible Llama / Qwen2
+    decoder layer gets its fused plan once its linears hold their final weights (layers/fused_decoder.py)."""
     from sglang_exl3.layers.fused_decoder import attach_plans
 
     if getattr(model, "quant_config", None) is not None and isinstance(model.quant_config, Exl3Config):
@@ -278,8 +278,8 @@ def fused_decoder_plans(result, model, *args, **kwargs):
 
 
 def fused_decoder_forward(original, self, positions, hidden_states, forward_batch, residual=None, *args, **kwargs):
-    """AROUND `LlamaDecoderLayer.forward` (SGLANG_EXL3_FUSED_DECODER): the fused launches where the layer's plan takes
-    the call, SGLang's forward otherwise."""
+    """AROUND `LlamaDecoderLayer.forward` and `Qwen2DecoderLayer.forward` (SGLANG_EXL3_FUSED_DECODER): the fused
+    launches where the layer's plan takes the call, SGLang's forward otherwise."""
     from sglang_exl3.layers.fused_decoder import fused_forward, takes
 
     plan = getattr(self, "exl3_fused", None)
@@ -308,8 +308,8 @@ def register_hooks() -> None:
     if knobs.get("FUSED_DECODER"):
         HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
                               fused_decoder_plans, HookType.AFTER)
-        HookRegistry.register("sglang.srt.models.llama.LlamaDecoderLayer.forward", fused_decoder_forward,
-                              HookType.AROUND)
+        for layer in ("llama.LlamaDecoderLayer", "qwen2.Qwen2DecoderLayer"):  # fused_decoder.layer_classes
+            HookRegistry.register(f"sglang.srt.models.{layer}.forward", fused_decoder_forward, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
                           mixtral_through_fused_moe, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)

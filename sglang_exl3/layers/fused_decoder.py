@@ -1,4 +1,5 @@
-"""SGLang's dense Llama decoder layer with its EXL3 glue fused (SGLANG_EXL3_FUSED_DECODER, kernels/fused_layer.py).
+"""SGLang's dense Llama and Qwen2 decoder layers with their EXL3 glue fused (SGLANG_EXL3_FUSED_DECODER,
+kernels/fused_layer.py).
 
 Unfused, a layer on the group kernels launches 15 kernels around its attention: RMSNorm, q/k/v (input rotation,
 GEMM, output rotation), o (three), RMSNorm, gate/up (three), SiLU-and-mul, down (three). Fused it launches 10:
@@ -101,18 +102,29 @@ def _share_launches(shards, need_kernels: bool) -> bool:
                s.codebook == first.codebook for s in shards)
 
 
+def layer_classes() -> dict[type, tuple[type, type]]:
+    """SGLang's decoder layers the fused forward reproduces, with the attention and MLP classes each must hold (the
+    same forward: norms, q/k/v, RoPE, attention, o, norm, gate/up, SiLU-and-mul, down; Qwen2 adds q/k/v biases)."""
+    from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from sglang.srt.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2MLP
+
+    return {LlamaDecoderLayer: (LlamaAttention, LlamaMLP), Qwen2DecoderLayer: (Qwen2Attention, Qwen2MLP)}
+
+
 def fusion_blockers(layer: torch.nn.Module, need_kernels: bool = True) -> list[str]:
     """What keeps `layer` from the fused forward (empty: nothing). need_kernels: its linears must run on our CUDA
     kernels (the reference plan of the tests does not need them)."""
-    from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from sglang.srt.runtime_context import get_exec
 
-    if type(layer) is not LlamaDecoderLayer or type(getattr(layer, "self_attn", None)) is not LlamaAttention or \
-            type(getattr(layer, "mlp", None)) is not LlamaMLP:
-        return [f"{type(layer).__name__} is not SGLang's LlamaDecoderLayer with its own attention and MLP"]
+    parts = layer_classes().get(type(layer))
+    if parts is None or (type(getattr(layer, "self_attn", None)), type(getattr(layer, "mlp", None))) != parts:
+        return [f"{type(layer).__name__} is not SGLang's Llama or Qwen2 decoder layer with its own attention and MLP"]
     out = [f"{name} is not a plain fp16 / bf16 RMSNorm" for name in ("input_layernorm", "post_attention_layernorm")
            if not _plain_rms_norm(getattr(layer, name))]
     if knobs.get("CHECK_OUTPUTS"):
         out.append("SGLANG_EXL3_CHECK_OUTPUTS checks each linear's output, which the fused layer never forms")
+    if get_exec().deterministic.rl_on_policy_target is not None:
+        out.append("SGLang's RL on-policy mode casts the MLP's input, which the fused layer does not")
     for path, sources in PROJECTIONS:
         module = _module(layer, path)
         shards = getattr(module, "exl3_shards", None)
@@ -122,7 +134,7 @@ def fusion_blockers(layer: torch.nn.Module, need_kernels: bool = True) -> list[s
         on_kernels = getattr(module, "exl3_backend", None) == Backend.CUDA
         if need_kernels and not on_kernels:
             out.append(f"{path} does not run on our CUDA kernels")
-        if getattr(module, "bias", None) is not None:
+        if getattr(module, "bias", None) is not None and path != "self_attn.qkv_proj":  # q/k/v's: added after
             out.append(f"{path} has a bias")
         if getattr(module, "tp_size", 1) != 1:
             out.append(f"{path} is tensor-parallel (o / down's all-reduce sits between the GEMM and the norm)")
@@ -164,12 +176,12 @@ def build_plan(layer: torch.nn.Module, reference: bool = False) -> FusedDecoderP
 
 
 def attach_plans(model: torch.nn.Module) -> int:
-    """A plan on every Llama decoder layer of `model` that can take one (`layer.exl3_fused`); the number attached."""
-    from sglang.srt.models.llama import LlamaDecoderLayer
-
+    """A plan on every Llama / Qwen2 decoder layer of `model` that can take one (`layer.exl3_fused`); the number
+    attached."""
+    classes = tuple(layer_classes())
     count = 0
     for module in model.modules():
-        if isinstance(module, LlamaDecoderLayer):
+        if isinstance(module, classes):
             module.exl3_fused = build_plan(module)
             count += module.exl3_fused is not None
     if count:
@@ -251,8 +263,9 @@ class ReferenceOps:
 
 def fused_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden_states: torch.Tensor,
                   forward_batch, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """LlamaDecoderLayer.forward (with LlamaAttention's and LlamaMLP's) in the fused launches. The residual is
-    updated in place, as SGLang's fused_add_rmsnorm does; with none (the first layer) hidden_states becomes it."""
+    """The decoder layer's forward (with its attention's and MLP's: `layer_classes`) in the fused launches. The
+    residual is updated in place, as SGLang's fused_add_rmsnorm does; with none (the first layer) hidden_states
+    becomes it."""
     ops = ReferenceOps if plan.qkv.group is None else FusedOps
     attn, (m, dtype) = layer.self_attn, (hidden_states.shape[0], hidden_states.dtype)
     if residual is None:
@@ -260,7 +273,10 @@ def fused_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden
         xh = ops.norm_rotate(plan.qkv, layer.input_layernorm, h=hidden_states)
     else:
         xh = ops.norm_rotate(plan.qkv, layer.input_layernorm, h=hidden_states, residual=residual)
-    q, k, v = ops.from_rotated(plan.qkv, xh, dtype).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    qkv = ops.from_rotated(plan.qkv, xh, dtype)
+    if attn.qkv_proj.bias is not None:  # as apply_shards adds it
+        qkv = (qkv.float() + attn.qkv_proj.bias.float()).to(dtype)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q, k = attn.rotary_emb(positions, q, k)
     attn_out = attn.attn(q, k, v, forward_batch)
     o_partial = ops.partials(plan.o, x=attn_out.reshape(m, -1).to(dtype).contiguous())

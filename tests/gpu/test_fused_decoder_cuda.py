@@ -1,7 +1,8 @@
-"""The fused EXL3 decoder layer on the GPU, in SGLang's real Llama layers (exllamav3-made 4 bpw checkpoint): the plan
-on our kernels against the same steps in torch (its reference) and against SGLang's unfused forward on our kernels,
-at the row counts it serves. The attention is the CPU test's stand-in on both sides (RadixAttention needs a model
-runner); a served model with the knob on is `E2E_ARGS="--variant SGLANG_EXL3_FUSED_DECODER=1" ... e2e`."""
+"""The fused EXL3 decoder layer on the GPU, in SGLang's real Llama layers (exllamav3-made 4 bpw checkpoint, bf16 and
+fp16) and Qwen2 layers (the writer's, q/k/v biases): the plan on our kernels against the same steps in torch (its
+reference) and against SGLang's unfused forward on our kernels, at the row counts it serves. The attention is the
+CPU test's stand-in on both sides (RadixAttention needs a model runner); a served model with the knob on is
+`E2E_ARGS="--variant SGLANG_EXL3_FUSED_DECODER=1" ... e2e`."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("sglang.srt.models.llama")
 
-from test_fused_decoder import LLAMA, RowAttention  # noqa: E402
+from test_fused_decoder import LLAMA, RowAttention, _qwen2  # noqa: E402
 
 from sglang_cpu import load_as_server, sglang_runtime  # noqa: E402
 from sglang_exl3.layers import fused_decoder as fd  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def model(request):
+@pytest.fixture(scope="module", params=[("llama", torch.bfloat16), ("llama", torch.float16), ("qwen2", torch.bfloat16)],
+                ids=["llama-bf16", "llama-fp16", "qwen2-bf16"])
+def model(request, tmp_path_factory):
     sglang_runtime(str(LLAMA), device="cuda")
-    model, cfg = load_as_server(LLAMA, "cuda", request.param)
+    arch, dtype = request.param
+    path = LLAMA if arch == "llama" else _qwen2(tmp_path_factory.mktemp("qwen2"))
+    model, cfg = load_as_server(path, "cuda", dtype)
     assert cfg is not None
     for layer in model.model.layers:
         layer.self_attn.attn = RowAttention(layer.self_attn)
