@@ -105,6 +105,17 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert one_launch(warps=6) == -3  # 4 or 8 warps per block
     assert one_launch(m=16, k_tiles=256, xs_slice=256) == -3  # 131 KB x slice > 96 KB
     assert one_launch(k2=9) == -1  # 4.5 bits in MCG
+    lib.exl3_linear_decode_prologue.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i,
+                                                i, p, p, p, ctypes.c_float, i, p]
+
+    def prologue(kind=1, weight=16, m=1, k_tiles=16, k2=9):  # pointers never read: refused before any launch
+        return lib.exl3_linear_decode_prologue(16, 1, 16, 1, 16, 16, 1, 16, m, k_tiles, 8, 128, k2, 1, 16, 4, 1,
+                                               kind, None, None, weight, 1e-6, 0, None)
+
+    assert prologue(kind=0) == prologue(kind=3) == -3  # the plain launch is exl3_linear_decode
+    assert prologue(weight=None) == -3  # the norm needs its weight
+    assert prologue(m=17) == prologue(k_tiles=12) == -3
+    assert prologue(kind=2, weight=None) == -1  # act-mul needs no weight: past the checks (4.5 bits: unsupported)
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
 
     def ring_rotating_out(m=64, ring=82, counters_len=2, out=16):  # pointers never read: refused before launching

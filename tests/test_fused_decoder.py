@@ -87,6 +87,26 @@ def test_reference_plan_equals_sglangs_forward(model, first, rows):
         assert _rel(got_r, want_r) < 1e-2 and _rel(got_h, want_h) < 2e-2, (_rel(got_r, want_r), _rel(got_h, want_h))
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["no-residual", "residual"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_reference_equals_sglangs_forward(model, first, rows):
+    """The one-row steps (the norms and SiLU-and-mul folded into the linears, reference ops) give SGLang's forward;
+    the new residual is a new tensor, the old one untouched."""
+    gen = torch.Generator().manual_seed(10 + rows)
+    for layer in model.model.layers:
+        plan = fd.build_plan(layer, reference=True)
+        dtype = layer.input_layernorm.weight.dtype
+        hidden = torch.randn(rows, 256, generator=gen).to(dtype)
+        residual = None if first else torch.randn(rows, 256, generator=gen).to(dtype)
+        positions = torch.arange(rows)
+        want_h, want_r = type(layer).forward(layer, positions, hidden.clone(), None,
+                                             None if first else residual.clone())
+        got_in, got_res = hidden.clone(), None if first else residual.clone()
+        got_h, got_r = fd.one_row_forward(layer, plan, positions, got_in, None, got_res)
+        assert torch.equal(got_in, hidden) and (first or torch.equal(got_res, residual))
+        assert _rel(got_r, want_r) < 1e-2 and _rel(got_h, want_h) < 2e-2, (_rel(got_r, want_r), _rel(got_h, want_h))
+
+
 def test_blockers_name_what_keeps_a_layer_unfused(model, monkeypatch):
     layer = model.model.layers[0]
     assert fd.fusion_blockers(layer, need_kernels=False) == []
@@ -119,11 +139,11 @@ def test_a_call_takes_the_fused_path_only_where_the_plan_serves_it(model):
     plan = fd.build_plan(layer, reference=True)
     dtype = layer.input_layernorm.weight.dtype
     h = torch.randn(3, 256).to(dtype)
-    assert fd.takes(plan, layer, h, h.clone())
-    assert not fd.takes(None, layer, h, None)
-    assert not fd.takes(plan, layer, h.float(), None)  # rows of another dtype than the norms': SGLang's forward
-    assert not fd.takes(plan, layer, torch.randn(256, 3).to(dtype).t(), None)  # not contiguous
-    assert not fd.takes(plan, layer, h, h[:2].clone())  # residual of another shape
+    assert fd.route(plan, layer, h, h.clone()) is fd.fused_forward  # no one-launch forms on the CPU
+    assert fd.route(None, layer, h, None) is None
+    assert fd.route(plan, layer, h.float(), None) is None  # rows of another dtype than the norms': SGLang's forward
+    assert fd.route(plan, layer, torch.randn(256, 3).to(dtype).t(), None) is None  # not contiguous
+    assert fd.route(plan, layer, h, h[:2].clone()) is None  # residual of another shape
     calls = []
 
     def original(self, *args):

@@ -280,12 +280,13 @@ def fused_decoder_plans(result, model, *args, **kwargs):
 def fused_decoder_forward(original, self, positions, hidden_states, forward_batch, residual=None, *args, **kwargs):
     """AROUND `LlamaDecoderLayer.forward` and `Qwen2DecoderLayer.forward` (SGLANG_EXL3_FUSED_DECODER): the fused
     launches where the layer's plan takes the call, SGLang's forward otherwise."""
-    from sglang_exl3.layers.fused_decoder import fused_forward, takes
+    from sglang_exl3.layers.fused_decoder import route
 
     plan = getattr(self, "exl3_fused", None)
-    if args or kwargs or not takes(plan, self, hidden_states, residual):
+    forward = None if args or kwargs else route(plan, self, hidden_states, residual)
+    if forward is None:
         return original(self, positions, hidden_states, forward_batch, residual, *args, **kwargs)
-    return fused_forward(self, plan, positions, hidden_states, forward_batch, residual)
+    return forward(self, plan, positions, hidden_states, forward_batch, residual)
 
 
 def register_hooks() -> None:

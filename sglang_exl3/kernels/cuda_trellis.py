@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 24
+ABI_VERSION = 25
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -235,6 +235,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
     lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
+    lib.exl3_linear_decode_prologue.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i,
+                                                i, p, p, p, ctypes.c_float, i, p]
     lib.exl3_add_norm_rotate.argtypes = [p, p, p, p, p, i, ctypes.c_float, p, i, p, i, i, p]
     lib.exl3_mlp_mid.argtypes = [p, p, p, i, i, p, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]

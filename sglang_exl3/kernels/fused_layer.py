@@ -9,7 +9,9 @@ its 128 columns, so these fold together:
 - `group_partials` / `group_from_rotated`: a group's GEMM from already-rotated inputs, with or without its output
   rotation (exl3_group_linear with x or out null).
 - `mlp_mid`: gate/up's output rotation + act(gate) * up + down's input rotation, one launch (MoE's moe_mid).
-A Llama layer then takes 10 launches around its attention instead of 15 (layers/fused_decoder.py). The values are
+A Llama layer then takes 10 launches around its attention instead of 15 (layers/fused_decoder.py). At the rows
+the one-launch linears serve (1 by default) the norms and SiLU-and-mul ride on each block's staging of its x slice
+instead (`one_launch_prologue`): 4 launches around the attention instead of 8. The values are
 the unfused path's up to the order of the norm's sum of squares and the MLP's roundings (fp16 where SGLang's
 SiLU-and-mul rounds to bf16), so its test is parity with the reference below, not bit equality.
 """
@@ -115,6 +117,52 @@ def mlp_mid(partial: torch.Tensor, gate_up: Exl3Group, down: Exl3Group, m: int, 
     return xh
 
 
+X_ADD_NORM, X_ACT_MUL = 1, 2  # the one-launch GEMM's x prologues (XPrologue in the library)
+
+
+def one_launch_prologue(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, kind: int,
+                        residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                        weight: torch.Tensor | None = None, eps: float = 0.0, gelu: bool = False,
+                        warps: int | None = None, pdl: bool = True) -> torch.Tensor:
+    """[m, total_cols] of x's dtype: the one-launch linear (cuda_trellis.one_launch_linear, its group and counters)
+    on x formed by a prologue as each block stages its slice, the fused decoder layer at one row. X_ADD_NORM: x [m, K]
+    + residual (or x alone), RMSNorm with `weight` and `eps`, rounded to x's dtype; x + residual is written to
+    residual_out where given (never in place: every block reads the residual). X_ACT_MUL: x = gate/up's output
+    [m, 2K], act(gate) * up rounded to x's dtype (SiLU, or GELU-tanh with gelu)."""
+    from sglang_exl3.kernels.cuda_trellis import ONE_LAUNCH_MAX_ROWS, one_launch_warps
+
+    m, k = x.shape[0], group.k_tiles * 16
+    if kind == X_ADD_NORM:
+        _check_rows("x", x, m, k)
+        for name, t in (("residual", residual), ("residual_out", residual_out)):
+            if t is not None:
+                _check_rows(name, t, m, k, x.dtype)
+        if weight is None:
+            raise ValueError("the add-norm prologue needs the norm's weight")
+        _check_rows("weight", weight.view(1, -1), 1, k, x.dtype)
+    elif kind == X_ACT_MUL:
+        _check_rows("x (gate/up's output)", x, m, 2 * k)
+    else:
+        raise ValueError(f"one_launch_prologue: kind must be X_ADD_NORM or X_ACT_MUL, got {kind}")
+    if m > ONE_LAUNCH_MAX_ROWS:
+        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
+    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
+        raise ValueError(f"one_launch_prologue: counters must be int32 with at least {group.total_cols // 128} "
+                         f"elements on {x.device}")
+    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
+
+    def ptr(t: torch.Tensor | None):
+        return None if t is None else t.data_ptr()
+
+    _check(load_library().exl3_linear_decode_prologue(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), group.table.data_ptr(), group.num, partial.data_ptr(),
+        counters.data_ptr(), counters.numel(), out.data_ptr(), m, group.k_tiles, group.total_items, group.total_cols,
+        group.k2, group.codebook, group.max_slice, warps or one_launch_warps(m), int(pdl), kind, ptr(residual),
+        ptr(residual_out), ptr(weight), float(eps), int(gelu), _stream(x)), "one-launch linear with a prologue")
+    return out
+
+
 def _check_rows(name: str, t: torch.Tensor, m: int, cols: int, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != (m, cols) or not t.is_cuda or not t.is_contiguous() or \
             t.dtype not in ((dtype,) if dtype else (torch.float16, torch.bfloat16)):
@@ -130,15 +178,28 @@ def _check_xh(xh: torch.Tensor, group: Exl3Group, m: int) -> None:
 
 # ---- the torch reference (any device): the same roundings, the kernels' tests compare against it ----------------
 
+def torch_add_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rmsnorm(h + residual) * weight, h + residual or None) in the model's dtype (that of h, residual, weight),
+    from the fp32 sum, as SGLang's fused add + RMSNorm rounds them."""
+    x = h.float() if residual is None else h.float() + residual.float()
+    rrms = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    return (x * rrms * weight.float()).to(weight.dtype), None if residual is None else x.to(weight.dtype)
+
+
 def torch_add_norm_rotate(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                           suh: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rotated inputs fp16 [len(suh), m, K], the updated residual or None) for h, residual [m, K] and the norm's
     weight, all of the model's dtype (bf16 or fp16)."""
-    x = h.float() if residual is None else h.float() + residual.float()
-    rrms = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
-    normed = (x * rrms * weight.float()).to(weight.dtype).to(torch.float16)
-    xh = torch.stack([had_r_128(normed, pre_scale=s) for s in suh])
-    return xh, None if residual is None else x.to(weight.dtype)
+    normed, updated = torch_add_norm(h, residual, weight, eps)
+    return torch.stack([had_r_128(normed.to(torch.float16), pre_scale=s) for s in suh]), updated
+
+
+def torch_act_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """act(gate) * up of gate/up's output [m, 2I] in its dtype, as SGLang's SiLU-and-mul rounds it."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    return (act * up).to(gate_up.dtype)
 
 
 def torch_output_rotation(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,16 @@ residual add + RMSNorm + q/k/v's input rotation; q/k/v's GEMM and output rotatio
 o's output rotation + residual add + RMSNorm + gate/up's input rotation; gate/up's GEMM; its output rotation +
 SiLU-and-mul + down's input rotation; down's GEMM and output rotation.
 
+At the rows the one-launch linears serve (1 by default) a layer already launches only 8 kernels around its
+attention; there `one_row_forward` folds the norms into q/k/v's and gate/up's one launch and SiLU-and-mul into
+down's (each block forms its x slice before rotating it): 4.
+
 A plan is attached to each eligible layer once the weights are loaded (`attach_plans`); `fusion_blockers` names
-what keeps a layer unfused. The fused forward runs only where every group runs the rows on its fused GEMM, no
-linear of the layer would take its one-launch form, and nothing is being compiled (SGLang's piecewise prefill
-graphs trace the unfused forward); otherwise the layer runs SGLang's own forward. `FusedOps` is the kernels,
-`ReferenceOps` the same steps in torch (any device), which the tests compare against.
+what keeps a layer unfused. `route` picks the forward per call: the one-row form where every projection's one-launch
+form serves the rows, the fused form where every group runs them on its fused GEMM, and SGLang's own forward
+otherwise and whenever something is being compiled (SGLang's piecewise prefill graphs trace the unfused forward).
+`FusedOps` / `OneRowOps` are the kernels, `ReferenceOps` / `OneRowReferenceOps` the same steps in torch (any
+device), which the tests compare against.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from sglang_exl3.codec.hadamard import had_r_128
 from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.kernels.backends import Backend
 from sglang_exl3.kernels.fused_layer import (
+    torch_act_mul,
+    torch_add_norm,
     torch_add_norm_rotate,
     torch_mlp_mid,
     torch_output_rotation,
@@ -65,6 +72,12 @@ class FusedDecoderPlan:
     @property
     def projections(self) -> tuple[FusedProjection, ...]:
         return self.qkv, self.o, self.gate_up, self.down
+
+    def serves_one_row(self, m: int) -> bool:
+        """Whether m rows run as the one-launch linears with the glue in their prologues: every projection's
+        one-launch form serves m as one launch."""
+        ones = [getattr(p.module, "exl3_one_launch", None) for p in self.projections]
+        return all(o is not None and o.serves(m) and not o.rotates_first(m) for o in ones)
 
     def serves(self, m: int) -> bool:
         """Whether m rows run fused: no projection would take its one-launch form, every group runs them fused."""
@@ -261,40 +274,111 @@ class ReferenceOps:
         return torch_mlp_mid(partial[:, :n], partial[:, n:], gate.svh, up.svh, down.shards[0].suh).unsqueeze(0)
 
 
+def _attention(layer, qkv: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
+    """q/k/v's bias (as apply_shards adds it), RoPE and the attention, as the layer's attention class runs them."""
+    attn, dtype = layer.self_attn, qkv.dtype
+    if attn.qkv_proj.bias is not None:
+        qkv = (qkv.float() + attn.qkv_proj.bias.float()).to(dtype)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(positions, q, k)
+    return attn.attn(q, k, v, forward_batch).reshape(qkv.shape[0], -1).to(dtype).contiguous()
+
+
 def fused_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden_states: torch.Tensor,
                   forward_batch, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's forward (with its attention's and MLP's: `layer_classes`) in the fused launches. The
     residual is updated in place, as SGLang's fused_add_rmsnorm does; with none (the first layer) hidden_states
     becomes it."""
     ops = ReferenceOps if plan.qkv.group is None else FusedOps
-    attn, (m, dtype) = layer.self_attn, (hidden_states.shape[0], hidden_states.dtype)
+    m, dtype = hidden_states.shape[0], hidden_states.dtype
     if residual is None:
         residual = hidden_states
         xh = ops.norm_rotate(plan.qkv, layer.input_layernorm, h=hidden_states)
     else:
         xh = ops.norm_rotate(plan.qkv, layer.input_layernorm, h=hidden_states, residual=residual)
-    qkv = ops.from_rotated(plan.qkv, xh, dtype)
-    if attn.qkv_proj.bias is not None:  # as apply_shards adds it
-        qkv = (qkv.float() + attn.qkv_proj.bias.float()).to(dtype)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q, k = attn.rotary_emb(positions, q, k)
-    attn_out = attn.attn(q, k, v, forward_batch)
-    o_partial = ops.partials(plan.o, x=attn_out.reshape(m, -1).to(dtype).contiguous())
+    attn_out = _attention(layer, ops.from_rotated(plan.qkv, xh, dtype), positions, forward_batch)
     xh = ops.norm_rotate(plan.gate_up, layer.post_attention_layernorm, residual=residual, h_of=plan.o,
-                         partial=o_partial, m=m)
+                         partial=ops.partials(plan.o, x=attn_out), m=m)
     xh = ops.mid(ops.partials(plan.gate_up, xh=xh), plan.gate_up, plan.down, m)
     return ops.from_rotated(plan.down, xh, dtype), residual
 
 
-def takes(plan: FusedDecoderPlan | None, layer, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether this call runs fused (else SGLang's own forward): a current plan that serves the rows, rows of the
-    norms' dtype in place, not while torch.compile traces."""
+class OneRowOps:
+    """The one-row forward's steps on our kernels: the one-launch linears, two with the glue as their prologue."""
+
+    @staticmethod
+    def norm_linear(p: FusedProjection, norm, h, residual, residual_out):
+        from sglang_exl3.kernels.fused_layer import X_ADD_NORM, one_launch_prologue
+
+        one = p.module.exl3_one_launch
+        return one_launch_prologue(h, one.group, one.counters, X_ADD_NORM, residual=residual,
+                                   residual_out=residual_out, weight=norm.weight, eps=norm.variance_epsilon)
+
+    @staticmethod
+    def linear(p: FusedProjection, x):
+        from sglang_exl3.kernels.cuda_trellis import one_launch_linear
+
+        one = p.module.exl3_one_launch
+        return one_launch_linear(x, one.group, one.counters)
+
+    @staticmethod
+    def act_linear(p: FusedProjection, gate_up):
+        from sglang_exl3.kernels.fused_layer import X_ACT_MUL, one_launch_prologue
+
+        one = p.module.exl3_one_launch
+        return one_launch_prologue(gate_up, one.group, one.counters, X_ACT_MUL)
+
+
+class OneRowReferenceOps:
+    """The same steps in torch, with the unfused path's roundings (the linears through ReferenceOps)."""
+
+    @staticmethod
+    def linear(p: FusedProjection, x):
+        xh = torch.stack([had_r_128(x.to(torch.float16), pre_scale=s.suh) for s in p.shards])
+        return ReferenceOps.from_rotated(p, xh, x.dtype)
+
+    @staticmethod
+    def norm_linear(p: FusedProjection, norm, h, residual, residual_out):
+        normed, updated = torch_add_norm(h, residual, norm.weight, norm.variance_epsilon)
+        if residual_out is not None:
+            residual_out.copy_(updated)
+        return OneRowReferenceOps.linear(p, normed)
+
+    @staticmethod
+    def act_linear(p: FusedProjection, gate_up):
+        return OneRowReferenceOps.linear(p, torch_act_mul(gate_up))
+
+
+def one_row_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden_states: torch.Tensor,
+                    forward_batch, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's forward at the rows the one-launch linears serve: 4 launches around the attention (q/k/v
+    and gate/up with the residual add + RMSNorm as their prologue, o, down with SiLU-and-mul as its prologue) instead
+    of 8. Every block reads the residual, so the new one is a new tensor (returned, as SGLang's layers return it),
+    not the old one updated in place."""
+    ops = OneRowReferenceOps if plan.qkv.group is None else OneRowOps
+    first = torch.empty_like(hidden_states) if residual is not None else None
+    qkv = ops.norm_linear(plan.qkv, layer.input_layernorm, hidden_states, residual, first)
+    residual = first if first is not None else hidden_states
+    o = ops.linear(plan.o, _attention(layer, qkv, positions, forward_batch))
+    second = torch.empty_like(residual)
+    gate_up = ops.norm_linear(plan.gate_up, layer.post_attention_layernorm, o, residual, second)
+    return ops.act_linear(plan.down, gate_up), second
+
+
+def route(plan: FusedDecoderPlan | None, layer, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+    """The forward this call takes, fused_forward or one_row_forward, or None for SGLang's own: a current plan that
+    serves the rows, rows of the norms' dtype in place, not while torch.compile traces."""
     if plan is None or torch.compiler.is_compiling():
-        return False
+        return None
     dtype = layer.input_layernorm.weight.dtype
     if hidden_states.dim() != 2 or hidden_states.dtype != dtype or not hidden_states.is_contiguous():
-        return False
+        return None
     if residual is not None and (residual.shape != hidden_states.shape or residual.dtype != dtype
                                  or not residual.is_contiguous()):
-        return False
-    return plan.serves(hidden_states.shape[0]) and all(p.current for p in plan.projections)
+        return None
+    if not all(p.current for p in plan.projections):
+        return None
+    m = hidden_states.shape[0]
+    if plan.serves_one_row(m):
+        return one_row_forward
+    return fused_forward if plan.serves(m) else None

@@ -63,3 +63,24 @@ def test_fused_layer_matches_its_reference_and_sglangs_forward(model, m, first):
         assert _rel(got_r, ref_r) < 5e-3 and _rel(got_h, ref_h) < 5e-3, (_rel(got_r, ref_r), _rel(got_h, ref_h))
         assert _rel(got_r, unfused_r) < 1e-2 and _rel(got_h, unfused_h) < 2e-2, \
             (_rel(got_r, unfused_r), _rel(got_h, unfused_h))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["residual", "no-residual"])
+def test_one_row_forward_matches_its_reference_and_sglangs_forward(model, first):
+    """One row: the one-launch linears with the norms and SiLU-and-mul as prologues, where route sends it."""
+    gen = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:
+        plan = fd.build_plan(layer)
+        dtype = layer.input_layernorm.weight.dtype
+        hidden = torch.randn(1, 256, generator=gen).to(dtype).cuda()
+        residual = None if first else (torch.randn(1, 256, generator=gen) * 4).to(dtype).cuda()
+        positions = torch.arange(1, device="cuda")
+        assert fd.route(plan, layer, hidden, residual) is fd.one_row_forward
+        got_h, got_r = _run(layer, fd.one_row_forward, (plan,), positions, hidden, residual)
+        ref_h, ref_r = _run(layer, fd.one_row_forward, (fd.build_plan(layer, reference=True),), positions, hidden,
+                            residual)
+        unfused_h, unfused_r = _run(layer, type(layer).forward, (), positions, hidden, residual)
+        assert torch.isfinite(got_h.float()).all()
+        assert _rel(got_r, ref_r) < 5e-3 and _rel(got_h, ref_h) < 5e-3, (_rel(got_r, ref_r), _rel(got_h, ref_h))
+        assert _rel(got_r, unfused_r) < 1e-2 and _rel(got_h, unfused_h) < 2e-2, \
+            (_rel(got_r, unfused_r), _rel(got_h, unfused_h))

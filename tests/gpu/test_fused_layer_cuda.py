@@ -158,3 +158,40 @@ def test_fused_steps_capture_in_a_cuda_graph():
         graphed, graphed_residual = out.clone(), residual.clone()
         residual.copy_(fresh)
         assert _same(steps(), graphed) and _same(residual, graphed_residual)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_one_launch_prologues_match_the_linear_on_torch_formed_rows(m, dtype):
+    """The one-launch linear forming x in its prologue against the same launch on x formed in torch: the new
+    residual bit for bit; the output within a flipped rounding or two (the norm's sum order, SiLU's exp)."""
+    k, inter = 1024, 512
+    qkv, _, _ = _group(k, (512, 256, 256), seed=m)
+    down, _, _ = _group(inter, (k,), seed=m + 1)
+    qkv_one, down_one = _one_launch(qkv), _one_launch(down)
+    h, residual = _bf16(m, k, seed=m, dtype=dtype), _bf16(m, k, seed=m + 2, scale=4.0, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(9))).to(dtype).cuda()
+    for res in (residual, None):
+        out_residual = torch.full_like(h, float("nan"))
+        got = fl.one_launch_prologue(h, qkv_one.group, qkv_one.counters, fl.X_ADD_NORM, residual=res,
+                                     residual_out=out_residual if res is not None else None, weight=weight, eps=1e-5)
+        normed, updated = fl.torch_add_norm(h, res, weight, 1e-5)
+        want = ck.one_launch_linear(normed, qkv_one.group, qkv_one.counters)
+        assert torch.isfinite(got.float()).all() and _rel(got, want) < 2e-3
+        if res is not None:
+            assert _same(out_residual, updated)
+    gate_up = _bf16(m, 2 * inter, seed=m + 3, dtype=dtype)
+    got = fl.one_launch_prologue(gate_up, down_one.group, down_one.counters, fl.X_ACT_MUL)
+    want = ck.one_launch_linear(fl.torch_act_mul(gate_up), down_one.group, down_one.counters)
+    assert torch.isfinite(got.float()).all() and _rel(got, want) < 2e-3
+    assert not qkv_one.counters.any() and not down_one.counters.any()  # left zero for the next call
+
+
+def _one_launch(group) -> ck.Exl3OneLaunch:
+    """The group's sources at one-launch splits (whole 128-blocks per split), with its counters."""
+    tiles, suh, svh = (list(t) for t in group.sources)
+    return ck.make_one_launch(tiles, suh, svh, Codebook(group.codebook))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())

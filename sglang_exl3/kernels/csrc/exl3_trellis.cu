@@ -1988,16 +1988,16 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), laid out as stage_x lays
+// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), x's four values at (row,
+// column) given by load(r, col, v), laid out as stage_x lays
 // them out; rows past m zero (MT > 2) or absent (the ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do).
 // One warp per (row, 128-block) task, kStageBatch tasks' loads in flight before the first is rotated: one at a time,
 // a warp with 16-64 tasks (8 rows, 4096-wide K slices) waited out as many L2 latencies in a row. Returns the lane's
 // ldmatrix address, as stage_x does.
 constexpr int kStageBatch = 8;
-template <int MT, typename T>
-__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
-                                                         const half* __restrict__ suh, int kt0, int kt1,
-                                                         uint4* __restrict__ xs) {
+template <int MT, typename Load>
+__device__ __forceinline__ uint32_t stage_x_rotated(Load load, int m, const half* __restrict__ suh, int kt0, int kt1,
+                                                    uint4* __restrict__ xs) {
   const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1, tasks = rows * blocks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int i0 = warp; i0 < tasks; i0 += warps * kStageBatch) {
@@ -2007,7 +2007,7 @@ __device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
       if (i < tasks && r < m) {
-        load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v[u]);
+        load(r, b * 128 + lane * 4, v[u]);
         sv[u] = *reinterpret_cast<const uint2*>(suh + b * 128 + lane * 4);
       }
     }
@@ -2024,6 +2024,103 @@ __device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x
   const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
   const int row = MT > 2 || r < m ? r : 0;
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
+}
+
+// stage_x_rotated of x's rows [m, K] themselves
+template <int MT, typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
+                                                         const half* __restrict__ suh, int kt0, int kt1,
+                                                         uint4* __restrict__ xs) {
+  auto load = [&](int r, int col, half (&v)[4]) { load4_fp16(x + (size_t)r * K + col, v); };
+  return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
+}
+
+// How the one-launch GEMM forms its x rows before rotating them (the fused decoder layer at one row, docs/kernels.md):
+// kXPlain: x itself; kXAddNorm: A(rmsnorm(x + residual) * weight), SGLang's fused add + RMSNorm (every block takes
+// each row's sum of squares over all of K; block 0 writes x + residual to residual_out); kXActMul: A(act(gate) * up)
+// from gate/up's output [m, 2K] (gate's K columns, then up's), SGLang's SiLU-and-mul (or GELU-tanh-and-mul)
+constexpr int kXPlain = 0, kXAddNorm = 1, kXActMul = 2;
+struct XPrologue {
+  int kind;
+  const void* residual;  // kXAddNorm: [m, K] of the activation type, or null (x alone)
+  void* residual_out;    // kXAddNorm: [m, K], x + residual (null: not written)
+  const void* weight;    // kXAddNorm: [K]
+  float eps;
+  int gelu;              // kXActMul
+};
+
+// row_scale[r] = rsqrt(mean((x + residual)[r]^2) + eps) for r < m, in shared memory; block 0 also writes
+// residual_out. Every thread of the block takes part (it ends with a barrier).
+template <typename A>
+__device__ __forceinline__ void x_row_scales(const A* __restrict__ x, const XPrologue& pro, int m, int K,
+                                             float* __restrict__ row_scale, float* __restrict__ warp_sums) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const A* res = (const A*)pro.residual;
+  A* res_out = blockIdx.x == 0 ? (A*)pro.residual_out : nullptr;
+  for (int r = 0; r < m; ++r) {
+    float sq = 0.f;
+    for (int c = threadIdx.x * 4; c < K; c += blockDim.x * 4) {
+      const size_t at = (size_t)r * K + c;
+      const uint2 xv = *reinterpret_cast<const uint2*>(x + at);
+      const A* xp = reinterpret_cast<const A*>(&xv);
+      uint2 rv = res != nullptr ? *reinterpret_cast<const uint2*>(res + at) : make_uint2(0u, 0u);
+      A* rp = reinterpret_cast<A*>(&rv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float v = act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f);
+        sq += v * v;
+        rp[i] = act_round<A>(v);
+      }
+      if (res_out != nullptr) *reinterpret_cast<uint2*>(res_out + at) = rv;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (lane == 0) warp_sums[warp] = sq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < warps; ++w) total += warp_sums[w];
+      row_scale[r] = rsqrtf(total / (float)K + pro.eps);
+    }
+    __syncthreads();
+  }
+}
+
+// stage_x_rotated of the prologue's rows (kXAddNorm after x_row_scales, kXActMul)
+template <int MT, typename A>
+__device__ __forceinline__ uint32_t stage_x_prologue(const A* __restrict__ x, const XPrologue& pro,
+                                                     const float* __restrict__ row_scale, int m, int K,
+                                                     const half* __restrict__ suh, int kt0, int kt1,
+                                                     uint4* __restrict__ xs) {
+  if (pro.kind == kXActMul) {
+    auto load = [&](int r, int col, half (&v)[4]) {
+      const uint2 gv = *reinterpret_cast<const uint2*>(x + (size_t)r * 2 * K + col);
+      const uint2 uv = *reinterpret_cast<const uint2*>(x + (size_t)r * 2 * K + K + col);
+      const A* gp = reinterpret_cast<const A*>(&gv);
+      const A* up = reinterpret_cast<const A*>(&uv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        v[i] = __float2half_rn(act_float(act_round<A>(moe_act(act_float(gp[i]), pro.gelu) * act_float(up[i]))));
+    };
+    return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
+  }
+  const A* res = (const A*)pro.residual;
+  const A* w = (const A*)pro.weight;
+  auto load = [&](int r, int col, half (&v)[4]) {
+    const size_t at = (size_t)r * K + col;
+    const uint2 xv = *reinterpret_cast<const uint2*>(x + at);
+    const uint2 rv = res != nullptr ? *reinterpret_cast<const uint2*>(res + at) : make_uint2(0u, 0u);
+    const uint2 wv = *reinterpret_cast<const uint2*>(w + col);
+    const A* xp = reinterpret_cast<const A*>(&xv);
+    const A* rp = reinterpret_cast<const A*>(&rv);
+    const A* wp = reinterpret_cast<const A*>(&wv);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float h = act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f);
+      v[i] = __float2half_rn(act_float(act_round<A>(h * row_scale[r] * act_float(wp[i]))));
+    }
+  };
+  return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
 }
 
 // One block's arrival at a counter that `total` blocks reach; true (in every thread) for the last one, which has
@@ -2229,9 +2326,11 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
                                                                 const GroupSource* __restrict__ srcs, int num,
                                                                 float* __restrict__ partial,
                                                                 int* __restrict__ counters, A* __restrict__ out, int m,
-                                                                int k_tiles, int total_items, int total_cols) {
+                                                                int k_tiles, int total_items, int total_cols,
+                                                                XPrologue pro) {
   extern __shared__ uint4 xs[];
   __shared__ int flag;
+  __shared__ float row_scale[kOneLaunchMaxRows], warp_sums[KW];
   int s, local;
   if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
@@ -2240,7 +2339,9 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
   auto stage = [&](int kt0, int kt1) {
     pdl_wait();
     if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
-    return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
+    if (pro.kind == kXPlain) return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
+    if (pro.kind == kXAddNorm) x_row_scales(x, pro, m, K, row_scale, warp_sums);  // the K slice is staged once
+    return stage_x_prologue<MT>(x, pro, row_scale, m, K, src.suh, kt0, kt1, xs);
   };
   float* part = partial + src.partial_base * m;
   gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
@@ -2443,7 +2544,7 @@ int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pd
 template <int K2, int CB>
 int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const GroupSource* srcs, int num,
                                  float* partial, int* counters, void* out, int m, int kt, int total_items,
-                                 int total_cols, int xs_slice, int warps, int pdl, cudaStream_t stream) {
+                                 int total_cols, int xs_slice, int warps, int pdl, XPrologue pro, cudaStream_t stream) {
   if (m > kOneLaunchMaxRows || (warps != 4 && warps != 8) || total_items % warps) return -3;
   const int smem = xs_smem_bytes(m, xs_slice, 1);
   if (smem > kMaxXsSmem) return -3;
@@ -2456,7 +2557,7 @@ int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const Gr
     auto kernel = linear_decode_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, A>;
     allow_smem(kernel, smem);
     return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
-                     num, partial, counters, op, m, kt, total_items, total_cols);
+                     num, partial, counters, op, m, kt, total_items, total_cols, pro);
   };
   auto with_warps = [&](auto* op, auto mt) {
     return warps == 8 ? launch(op, mt, std::integral_constant<int, 8>{})
@@ -2711,8 +2812,28 @@ int exl3_linear_decode(const void* x, int bf16, void* xh_all, const void* table,
   auto srcs = (const GroupSource*)table;
   auto p = (float*)partial;
   auto c = (int*)counters;
+  const XPrologue plain = {kXPlain, nullptr, nullptr, nullptr, 0.f, 0};
   EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, (half*)xh_all, srcs, num, p, c, out, m, k_tiles,
-                                                             total_items, total_cols, xs_slice, warps, pdl, s))
+                                                             total_items, total_cols, xs_slice, warps, pdl, plain, s))
+}
+
+// exl3_linear_decode with x formed by a prologue (XPrologue; the fused decoder layer at one row): kind 1, x + residual
+// normalised (residual, residual_out: [m, K] of x's dtype or null; weight: [K]); kind 2, act(gate) * up from x =
+// gate/up's output [m, 2K]. One launch; no two-launch form.
+int exl3_linear_decode_prologue(const void* x, int bf16, const void* table, int num, void* partial, void* counters,
+                                long long counters_len, void* out, int m, int k_tiles, int total_items,
+                                int total_cols, int k2, int codebook, int xs_slice, int warps, int pdl, int kind,
+                                const void* residual, void* residual_out, const void* weight, float eps, int gelu,
+                                void* stream) {
+  if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
+      total_cols <= 0 || total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128 ||
+      (kind != kXAddNorm && kind != kXActMul) || (kind == kXAddNorm && weight == nullptr))
+    return -3;
+  const XPrologue pro = {kind, residual, residual_out, weight, eps, gelu};
+  EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, nullptr, (const GroupSource*)table, num,
+                                                             (float*)partial, (int*)counters, out, m, k_tiles,
+                                                             total_items, total_cols, xs_slice, warps, pdl, pro,
+                                                             (cudaStream_t)stream))
 }
 
 // A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
@@ -3056,7 +3177,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 24; }
+int exl3_abi_version(void) { return 25; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
