@@ -1,10 +1,12 @@
 """A decoder layer's EXL3 linears and glue, fused (SGLANG_EXL3_FUSED_DECODER's launches) against unfused (what a
-layer runs today: SGLang's RMSNorm and SiluAndMul modules around our group and single-linear kernels), beside the
-same layer in bf16 (cuBLAS), side by side at decode-sized m. The attention is left out on every side: the q/k/v
-output's first hidden-width columns stand in for its output (one copy kernel on each side). CUDA-graph replay, two
-layers' weights alternating (each more than L2); the fused output is checked against the unfused one.
+layer runs today: SGLang's RMSNorm and SiluAndMul modules around our kernels), beside the same layer in bf16
+(cuBLAS), side by side at decode-sized m: at one row the one-launch linears with and without the glue as their
+prologues (`form` one-row), from two rows the group kernels with and without the glue folded into the rotations.
+The attention is left out on every side: the q/k/v output's first hidden-width columns stand in for its output (one
+copy kernel on each side). CUDA-graph replay, two layers' weights alternating (each more than L2); the fused output
+is checked against the unfused one.
 
-  python benchmarks/fused_layer_ab.py [--shape 4096,14336,1024] [--ms 2,8,16,32,64] [--bits 4] [--codebook mcg]
+  python benchmarks/fused_layer_ab.py [--shape 4096,14336,1024] [--ms 1,2,8,16,32,64] [--bits 4] [--codebook mcg]
 
 Needs SGLang (its RMSNorm / SiluAndMul kernels). Writes benchmarks/results/fused-layer-ab-<gpu>.{json,md}.
 """
@@ -41,9 +43,14 @@ def make_layer(hidden: int, inter: int, kv: int, bits: int, cb: Codebook, seed: 
         srcs = [_source(k, n, bits, gen) for n in widths]
         return ck.make_group(*[[s[i] for s in srcs] for i in range(3)], cb), srcs
 
-    layer = {"qkv": group(hidden, (hidden, kv, kv))[0], "gate_up": group(hidden, (inter, inter))[0]}
-    layer["o"], (layer["o_src"],) = group(hidden, (hidden,))
-    layer["down"], (layer["down_src"],) = group(inter, (hidden,))
+    layer, sources = {}, {}
+    for name, k, widths in (("qkv", hidden, (hidden, kv, kv)), ("o", hidden, (hidden,)),
+                            ("gate_up", hidden, (inter, inter)), ("down", inter, (hidden,))):
+        layer[name], sources[name] = group(k, widths)
+    layer["o_src"], layer["down_src"] = sources["o"][0], sources["down"][0]
+    # the one-launch forms of the same weights, for the rows they serve (one_row_forward's linears)
+    layer["one"] = {name: ck.make_one_launch(*[[s[i] for s in srcs] for i in range(3)], cb)
+                    for name, srcs in sources.items()}
     layer["norms"] = [(1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16().cuda() for _ in range(2)]
     dense = {"qkv": hidden + 2 * kv, "o": hidden, "gate_up": 2 * inter, "down": hidden}
     layer["bf16"] = {name: torch.randn(n, inter if name == "down" else hidden, dtype=torch.bfloat16, device="cuda")
@@ -71,6 +78,41 @@ def fused(layer: dict, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return fl.group_from_rotated(layer["down"], xh)
 
 
+def unfused_one_row(layer: dict, norm, act, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """What a layer runs today at the rows the one-launch linears serve."""
+    one, hidden = layer["one"], h.shape[1]
+
+    def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+        return ck.one_launch_linear(x, one[name].group, one[name].counters)
+
+    x, _ = norm(layer["norms"][0])(h, residual)
+    o = linear("o", linear("qkv", x)[:, :hidden].contiguous())
+    x, _ = norm(layer["norms"][1])(o, residual)
+    return linear("down", act(linear("gate_up", x)))
+
+
+def fused_one_row(layer: dict, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """one_row_forward's launches: the norms and SiLU-and-mul as the one-launch linears' prologues."""
+    one, hidden = layer["one"], h.shape[1]
+    first, second = torch.empty_like(residual), torch.empty_like(residual)
+    qkv = fl.one_launch_prologue(h, one["qkv"].group, one["qkv"].counters, fl.X_ADD_NORM, residual=residual,
+                                 residual_out=first, weight=layer["norms"][0], eps=EPS)
+    o = ck.one_launch_linear(qkv[:, :hidden].contiguous(), one["o"].group, one["o"].counters)
+    gate_up = fl.one_launch_prologue(o, one["gate_up"].group, one["gate_up"].counters, fl.X_ADD_NORM, residual=first,
+                                     residual_out=second, weight=layer["norms"][1], eps=EPS)
+    return fl.one_launch_prologue(gate_up, one["down"].group, one["down"].counters, fl.X_ACT_MUL)
+
+
+def _calls(layers: list[dict], norm, act, h: torch.Tensor, residual: torch.Tensor, cb: Codebook, one_row: bool):
+    """(today's layer, the fused one) as fn(i) over layer i; h is copied per call, as SGLang's fused add + norm
+    normalises it in place."""
+    if one_row:
+        return (lambda i: unfused_one_row(layers[i], norm, act, h.clone(), residual),
+                lambda i: fused_one_row(layers[i], h.clone(), residual))
+    return (lambda i: unfused(layers[i], norm, act, h.clone(), residual, cb),
+            lambda i: fused(layers[i], h.clone(), residual))
+
+
 def bf16_layer(layer: dict, norm, act, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     w, hidden = layer["bf16"], h.shape[1]
     x, _ = norm(layer["norms"][0])(h, residual)
@@ -82,7 +124,8 @@ def bf16_layer(layer: dict, norm, act, h: torch.Tensor, residual: torch.Tensor) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096,14336,1024", help="hidden,intermediate,kv width (Llama-3-8B)")
-    ap.add_argument("--ms", default="2,8,16,32,64")
+    ap.add_argument("--ms", default="1,2,8,16,32,64")
+    ap.add_argument("--one-row-max-m", type=int, default=1, help="rows the one-row form takes (ONE_LAUNCH_MAX_M)")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--codebook", default="mcg")
     args = ap.parse_args()
@@ -108,18 +151,19 @@ def main() -> None:
         gen = torch.Generator().manual_seed(m)
         h = torch.randn(m, hidden, generator=gen).bfloat16().cuda()
         residual = (torch.randn(m, hidden, generator=gen) * 4).bfloat16().cuda()
-        if not all(layers[0][p].runs_fused(m) for p in ("qkv", "o", "gate_up", "down")):
+        one_row = m <= args.one_row_max_m  # the one-launch linears' rows: the one-row form
+        if not one_row and not all(layers[0][p].runs_fused(m) for p in ("qkv", "o", "gate_up", "down")):
             print(f"m={m}: a group does not run it fused; the fused layer would not serve it", flush=True)
             continue
-        want = unfused(layers[0], norm, act, h.clone(), residual.clone(), cb)
-        got = fused(layers[0], h.clone(), residual.clone())
+        form = "one-row" if one_row else "groups"
+        want = _calls(layers, norm, act, h, residual.clone(), cb, one_row)[0](0)  # each on its own residual:
+        got = _calls(layers, norm, act, h, residual.clone(), cb, one_row)[1](0)  # the norms update it in place
+        today, ours = _calls(layers, norm, act, h, residual, cb, one_row)
         rel = float((got.float() - want.float()).norm() / want.float().norm())
         if not rel < 2e-2:
             raise AssertionError(f"m={m}: the fused layer differs from the unfused one, rel {rel:.2e}")
-        # h is normalised in place by SGLang's fused add + norm: each call gets fresh copies
-        row = {"m": m, "rel_vs_unfused": round(rel, 5),
-               "unfused_us": graph_us(lambda i, h=h, r=residual: unfused(layers[i], norm, act, h.clone(), r, cb), 2),
-               "fused_us": graph_us(lambda i, h=h, r=residual: fused(layers[i], h.clone(), r), 2),
+        row = {"m": m, "form": form, "rel_vs_unfused": round(rel, 5), "unfused_us": graph_us(today, 2),
+               "fused_us": graph_us(ours, 2),
                "bf16_us": graph_us(lambda i, h=h, r=residual: bf16_layer(layers[i], norm, act, h.clone(), r), 2)}
         row["fused_speedup"] = round(row["unfused_us"] / row["fused_us"], 3)
         row["bf16_vs_fused"] = round(row["bf16_us"] / row["fused_us"], 3)
@@ -127,7 +171,7 @@ def main() -> None:
         print(row, flush=True)
     path = write_results("fused-layer-ab", {**header(sys.argv), "shape": args.shape, "bits": args.bits,
                                             "codebook": cb.label}, rows,
-                         ["m", "unfused_us", "fused_us", "fused_speedup", "bf16_us", "bf16_vs_fused",
+                         ["m", "form", "unfused_us", "fused_us", "fused_speedup", "bf16_us", "bf16_vs_fused",
                           "rel_vs_unfused"])
     print(f"wrote {path}")
 
