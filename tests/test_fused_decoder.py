@@ -65,6 +65,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _sglang_forward(layer, rows: int, first: bool, gen: torch.Generator):
+    """Fresh rows of the layer's dtype (no residual for the first layer), their positions, and SGLang's own forward
+    of them (on copies)."""
+    dtype = layer.input_layernorm.weight.dtype
+    hidden = torch.randn(rows, 256, generator=gen).to(dtype)
+    residual = None if first else torch.randn(rows, 256, generator=gen).to(dtype)
+    positions = torch.arange(rows)
+    want = type(layer).forward(layer, positions, hidden.clone(), None, None if first else residual.clone())
+    return hidden, residual, positions, want
+
+
 @pytest.mark.parametrize("first", [True, False], ids=["no-residual", "residual"])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_reference_plan_equals_sglangs_forward(model, first, rows):
@@ -74,12 +85,7 @@ def test_reference_plan_equals_sglangs_forward(model, first, rows):
     for layer in model.model.layers:
         plan = fd.build_plan(layer, reference=True)
         assert plan is not None and plan.serves(rows)
-        dtype = layer.input_layernorm.weight.dtype
-        hidden = torch.randn(rows, 256, generator=gen).to(dtype)
-        residual = None if first else torch.randn(rows, 256, generator=gen).to(dtype)
-        positions = torch.arange(rows)
-        want_h, want_r = type(layer).forward(layer, positions, hidden.clone(), None,
-                                             None if first else residual.clone())
+        hidden, residual, positions, (want_h, want_r) = _sglang_forward(layer, rows, first, gen)
         got_in = hidden.clone()
         got_res = None if first else residual.clone()
         got_h, got_r = fd.fused_forward(layer, plan, positions, got_in, None, got_res)
@@ -95,12 +101,7 @@ def test_one_row_reference_equals_sglangs_forward(model, first, rows):
     gen = torch.Generator().manual_seed(10 + rows)
     for layer in model.model.layers:
         plan = fd.build_plan(layer, reference=True)
-        dtype = layer.input_layernorm.weight.dtype
-        hidden = torch.randn(rows, 256, generator=gen).to(dtype)
-        residual = None if first else torch.randn(rows, 256, generator=gen).to(dtype)
-        positions = torch.arange(rows)
-        want_h, want_r = type(layer).forward(layer, positions, hidden.clone(), None,
-                                             None if first else residual.clone())
+        hidden, residual, positions, (want_h, want_r) = _sglang_forward(layer, rows, first, gen)
         got_in, got_res = hidden.clone(), None if first else residual.clone()
         got_h, got_r = fd.one_row_forward(layer, plan, positions, got_in, None, got_res)
         assert torch.equal(got_in, hidden) and (first or torch.equal(got_res, residual))

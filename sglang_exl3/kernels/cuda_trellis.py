@@ -1338,6 +1338,20 @@ def one_launch_warps(m: int) -> int:
     return 8 if m >= ONE_LAUNCH_WIDE_FROM_M else 4
 
 
+def one_launch_scratch(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
+                       what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partials and the output [m, total_cols] of x's dtype of a one-launch linear over x's m rows, after
+    checking the rows and the group's counters."""
+    m = x.shape[0]
+    if m > ONE_LAUNCH_MAX_ROWS:
+        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
+    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
+        raise ValueError(f"{what}: counters must be int32 with at least {group.total_cols // 128} elements on "
+                         f"{x.device}, got {counters.dtype} {counters.numel()} on {counters.device}")
+    return (torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device),
+            torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device))
+
+
 def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, warps: int | None = None,
                       pdl: bool = True, rotate_first: bool = False) -> torch.Tensor:
     """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
@@ -1350,13 +1364,7 @@ def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
     if warps not in (4, 8):
         raise ValueError(f"one_launch_linear: warps must be 4 or 8, got {warps}")
     _check_act("x", x, (m, group.k_tiles * 16))
-    if m > ONE_LAUNCH_MAX_ROWS:
-        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
-    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
-        raise ValueError(f"one_launch_linear: counters must be int32 with at least {group.total_cols // 128} elements "
-                         f"on {x.device}, got {counters.dtype} {counters.numel()} on {counters.device}")
-    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
+    partial, out = one_launch_scratch(x, group, counters, "one_launch_linear")
     bf16 = int(x.dtype == torch.bfloat16)
     xh_all = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device) if rotate_first \
         else None

@@ -21,7 +21,14 @@ from __future__ import annotations
 import torch
 
 from sglang_exl3.codec.hadamard import had_r_128
-from sglang_exl3.kernels.cuda_trellis import Exl3Group, _check, _stream, load_library
+from sglang_exl3.kernels.cuda_trellis import (
+    Exl3Group,
+    _check,
+    _stream,
+    load_library,
+    one_launch_scratch,
+    one_launch_warps,
+)
 
 
 def _launch_group(group: Exl3Group, m: int, xh: torch.Tensor, x: torch.Tensor | None,
@@ -129,8 +136,6 @@ def one_launch_prologue(x: torch.Tensor, group: Exl3Group, counters: torch.Tenso
     + residual (or x alone), RMSNorm with `weight` and `eps`, rounded to x's dtype; x + residual is written to
     residual_out where given (never in place: every block reads the residual). X_ACT_MUL: x = gate/up's output
     [m, 2K], act(gate) * up rounded to x's dtype (SiLU, or GELU-tanh with gelu)."""
-    from sglang_exl3.kernels.cuda_trellis import ONE_LAUNCH_MAX_ROWS, one_launch_warps
-
     m, k = x.shape[0], group.k_tiles * 16
     if kind == X_ADD_NORM:
         _check_rows("x", x, m, k)
@@ -144,13 +149,7 @@ def one_launch_prologue(x: torch.Tensor, group: Exl3Group, counters: torch.Tenso
         _check_rows("x (gate/up's output)", x, m, 2 * k)
     else:
         raise ValueError(f"one_launch_prologue: kind must be X_ADD_NORM or X_ACT_MUL, got {kind}")
-    if m > ONE_LAUNCH_MAX_ROWS:
-        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
-    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
-        raise ValueError(f"one_launch_prologue: counters must be int32 with at least {group.total_cols // 128} "
-                         f"elements on {x.device}")
-    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
-    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
+    partial, out = one_launch_scratch(x, group, counters, "one_launch_prologue")
 
     def ptr(t: torch.Tensor | None):
         return None if t is None else t.data_ptr()

@@ -15,8 +15,8 @@ A plan is attached to each eligible layer once the weights are loaded (`attach_p
 what keeps a layer unfused. `route` picks the forward per call: the one-row form where every projection's one-launch
 form serves the rows, the fused form where every group runs them on its fused GEMM, and SGLang's own forward
 otherwise and whenever something is being compiled (SGLang's piecewise prefill graphs trace the unfused forward).
-`FusedOps` / `OneRowOps` are the kernels, `ReferenceOps` / `OneRowReferenceOps` the same steps in torch (any
-device), which the tests compare against.
+The steps' kernels and their torch references (any device), which the tests compare against, are in
+`fused_decoder_ops.py`.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from sglang_exl3 import knobs
-from sglang_exl3.codec.hadamard import had_r_128
-from sglang_exl3.codec.trellis import reconstruct
 from sglang_exl3.kernels.backends import Backend
-from sglang_exl3.kernels.fused_layer import (
-    torch_act_mul,
-    torch_add_norm,
-    torch_add_norm_rotate,
-    torch_mlp_mid,
-    torch_output_rotation,
+from sglang_exl3.kernels.cuda_trellis import make_group
+from sglang_exl3.layers.fused_decoder_ops import (
+    FusedOps,
+    FusedProjection,
+    OneRowOps,
+    OneRowReferenceOps,
+    ReferenceOps,
 )
 from sglang_exl3.layers.shard import Exl3Shard
 
@@ -43,23 +42,6 @@ logger = logging.getLogger(__name__)
 
 # (attribute path, sources) of the four projections a plan fuses
 PROJECTIONS = (("self_attn.qkv_proj", 3), ("self_attn.o_proj", 1), ("mlp.gate_up_proj", 2), ("mlp.down_proj", 1))
-
-
-@dataclass(frozen=True)
-class FusedProjection:
-    """One projection of a fused layer: its SGLang module, its shards, and its group on our kernels (None: the
-    torch reference)."""
-
-    module: torch.nn.Module
-    shards: tuple[Exl3Shard, ...]
-    group: object | None = None
-
-    @property
-    def current(self) -> bool:
-        """Still the shards the module serves (a weight reload replaces them, and the plan with them)."""
-        held = getattr(self.module, "exl3_shards", None)
-        return held is not None and len(held) == len(self.shards) and all(
-            a is b for a, b in zip(held, self.shards, strict=True))
 
 
 @dataclass(frozen=True)
@@ -180,8 +162,6 @@ def build_plan(layer: torch.nn.Module, reference: bool = False) -> FusedDecoderP
         if not reference:
             group = getattr(module, "exl3_group", None)
             if group is None:  # o and down: a group of their one source
-                from sglang_exl3.kernels.cuda_trellis import make_group
-
                 group = make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
                                    shards[0].codebook)
         parts.append(FusedProjection(module, shards, group))
@@ -200,78 +180,6 @@ def attach_plans(model: torch.nn.Module) -> int:
     if count:
         logger.info("EXL3 fused decoder layers: %d", count)
     return count
-
-
-class FusedOps:
-    """The fused layer's steps on our kernels (kernels/fused_layer.py); a partial is a group's fp32 split-K
-    partials."""
-
-    @staticmethod
-    def norm_rotate(dst: FusedProjection, norm, h=None, residual=None, h_of=None, partial=None, m=None):
-        from sglang_exl3.kernels.fused_layer import add_norm_rotate
-
-        return add_norm_rotate(dst.group, norm.weight, norm.variance_epsilon, h=h, residual=residual,
-                               h_group=None if h_of is None else h_of.group, partial=partial, m=m)
-
-    @staticmethod
-    def partials(p: FusedProjection, x=None, xh=None):
-        from sglang_exl3.kernels.fused_layer import group_partials
-
-        return group_partials(p.group, x=x, xh=xh)
-
-    @staticmethod
-    def from_rotated(p: FusedProjection, xh, dtype):
-        from sglang_exl3.kernels.fused_layer import group_from_rotated
-
-        return group_from_rotated(p.group, xh, dtype)
-
-    @staticmethod
-    def mid(partial, gate_up: FusedProjection, down: FusedProjection, m: int):
-        from sglang_exl3.kernels.fused_layer import mlp_mid
-
-        return mlp_mid(partial, gate_up.group, down.group, m)
-
-
-def _w_hat(shard: Exl3Shard) -> torch.Tensor:
-    if shard.w_hat is not None:
-        return shard.w_hat
-    trellis = shard.trellis.transpose(0, 1).contiguous() if shard.kernel_layout else shard.trellis
-    return reconstruct(trellis, shard.codebook)
-
-
-class ReferenceOps:
-    """The same steps in torch with the same roundings; a partial is the fp32 accumulator [m, sum N]."""
-
-    @staticmethod
-    def norm_rotate(dst: FusedProjection, norm, h=None, residual=None, h_of=None, partial=None, m=None):
-        if partial is not None:
-            h = torch_output_rotation(partial, h_of.shards[0].svh).to(norm.weight.dtype)
-        xh, updated = torch_add_norm_rotate(h, residual, norm.weight, norm.variance_epsilon,
-                                            [s.suh for s in dst.shards])
-        if residual is not None:
-            residual.copy_(updated)
-        return xh
-
-    @staticmethod
-    def partials(p: FusedProjection, x=None, xh=None):
-        if xh is None:
-            xh = torch.stack([had_r_128(x.to(torch.float16), pre_scale=s.suh) for s in p.shards])
-        return torch.cat([xh[i].float() @ _w_hat(s).float() for i, s in enumerate(p.shards)], dim=-1)
-
-    @staticmethod
-    def from_rotated(p: FusedProjection, xh, dtype):
-        acc = ReferenceOps.partials(p, xh=xh)
-        outs, at = [], 0
-        for s in p.shards:
-            outs.append(torch_output_rotation(acc[:, at:at + s.out_features], s.svh))
-            at += s.out_features
-        return torch.cat(outs, dim=-1).to(dtype)
-
-    @staticmethod
-    def mid(partial, gate_up: FusedProjection, down: FusedProjection, m: int):
-        gate, up = gate_up.shards
-        n = gate.out_features
-        return torch_mlp_mid(partial[:, :n], partial[:, n:], gate.svh, up.svh, down.shards[0].suh).unsqueeze(0)
 
 
 def _attention(layer, qkv: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
@@ -301,52 +209,6 @@ def fused_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden
                          partial=ops.partials(plan.o, x=attn_out), m=m)
     xh = ops.mid(ops.partials(plan.gate_up, xh=xh), plan.gate_up, plan.down, m)
     return ops.from_rotated(plan.down, xh, dtype), residual
-
-
-class OneRowOps:
-    """The one-row forward's steps on our kernels: the one-launch linears, two with the glue as their prologue."""
-
-    @staticmethod
-    def norm_linear(p: FusedProjection, norm, h, residual, residual_out):
-        from sglang_exl3.kernels.fused_layer import X_ADD_NORM, one_launch_prologue
-
-        one = p.module.exl3_one_launch
-        return one_launch_prologue(h, one.group, one.counters, X_ADD_NORM, residual=residual,
-                                   residual_out=residual_out, weight=norm.weight, eps=norm.variance_epsilon)
-
-    @staticmethod
-    def linear(p: FusedProjection, x):
-        from sglang_exl3.kernels.cuda_trellis import one_launch_linear
-
-        one = p.module.exl3_one_launch
-        return one_launch_linear(x, one.group, one.counters)
-
-    @staticmethod
-    def act_linear(p: FusedProjection, gate_up):
-        from sglang_exl3.kernels.fused_layer import X_ACT_MUL, one_launch_prologue
-
-        one = p.module.exl3_one_launch
-        return one_launch_prologue(gate_up, one.group, one.counters, X_ACT_MUL)
-
-
-class OneRowReferenceOps:
-    """The same steps in torch, with the unfused path's roundings (the linears through ReferenceOps)."""
-
-    @staticmethod
-    def linear(p: FusedProjection, x):
-        xh = torch.stack([had_r_128(x.to(torch.float16), pre_scale=s.suh) for s in p.shards])
-        return ReferenceOps.from_rotated(p, xh, x.dtype)
-
-    @staticmethod
-    def norm_linear(p: FusedProjection, norm, h, residual, residual_out):
-        normed, updated = torch_add_norm(h, residual, norm.weight, norm.variance_epsilon)
-        if residual_out is not None:
-            residual_out.copy_(updated)
-        return OneRowReferenceOps.linear(p, normed)
-
-    @staticmethod
-    def act_linear(p: FusedProjection, gate_up):
-        return OneRowReferenceOps.linear(p, torch_act_mul(gate_up))
 
 
 def one_row_forward(layer, plan: FusedDecoderPlan, positions: torch.Tensor, hidden_states: torch.Tensor,
