@@ -162,6 +162,26 @@ def test_a_call_takes_the_fused_path_only_where_the_plan_serves_it(model):
         del layer.exl3_fused
 
 
+def test_route_takes_the_one_row_form_where_every_one_launch_form_serves(model, monkeypatch):
+    """One-launch forms (their real class over an empty table: only their row policy is read) on all four
+    projections send the rows they serve to one_row_forward, and more rows to the group form; where only some
+    projections have one, those rows run SGLang's own forward (each linear in its own form)."""
+    from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
+
+    layer = model.model.layers[0]
+    plan = fd.build_plan(layer, reference=True)
+    group = Exl3Group(table=torch.zeros(1, 8, dtype=torch.int64), num=1, k_tiles=16, total_items=8, total_cols=256,
+                      partial_per_row=256, k2=8, codebook=1, max_slice=8)
+    one = Exl3OneLaunch(group, torch.zeros(2, dtype=torch.int32), max_m=2)
+    for p in plan.projections:
+        monkeypatch.setattr(p.module, "exl3_one_launch", one, raising=False)
+    dtype = layer.input_layernorm.weight.dtype
+    rows = {m: torch.randn(m, 256).to(dtype) for m in (1, 2, 3)}
+    assert [fd.route(plan, layer, h, None) for h in rows.values()] == [fd.one_row_forward] * 2 + [fd.fused_forward]
+    monkeypatch.setattr(plan.down.module, "exl3_one_launch", None)
+    assert fd.route(plan, layer, rows[1], None) is None
+
+
 def test_the_knob_registers_the_hooks(monkeypatch):
     """The fused layer's two hooks are registered only with SGLANG_EXL3_FUSED_DECODER on (SGLang's registry, restored
     afterwards)."""
