@@ -2320,7 +2320,7 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // the kernel that wrote x, and nothing is written before it. With xh_all (fp16 [num, m, K], had_in_group's output:
 // the two-launch form, opt-in: slower than three launches as a kernel, decisions.md) a block copies its slice of the
 // rotated x instead of rotating it, while the output rotation stays folded in.
-template <int K2, int CB, int MT, int KW, typename A>
+template <int K2, int CB, int MT, int KW, typename A, bool PRO>
 __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x,
                                                                 const half* __restrict__ xh_all,
                                                                 const GroupSource* __restrict__ srcs, int num,
@@ -2330,7 +2330,6 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
                                                                 XPrologue pro) {
   extern __shared__ uint4 xs[];
   __shared__ int flag;
-  __shared__ float row_scale[kOneLaunchMaxRows], warp_sums[KW];
   int s, local;
   if (!group_work(srcs, num, blockIdx.x * KW + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
@@ -2338,10 +2337,14 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
   const A* xs_rows0 = x + (size_t)src.x_row * K;
   auto stage = [&](int kt0, int kt1) {
     pdl_wait();
-    if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
-    if (pro.kind == kXPlain) return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
-    if (pro.kind == kXAddNorm) x_row_scales(x, pro, m, K, row_scale, warp_sums);  // the K slice is staged once
-    return stage_x_prologue<MT>(x, pro, row_scale, m, K, src.suh, kt0, kt1, xs);
+    if constexpr (PRO) {  // its own instantiation: the plain kernel keeps its registers (no spills)
+      __shared__ float row_scale[kOneLaunchMaxRows], warp_sums[KW];
+      if (pro.kind == kXAddNorm) x_row_scales(x, pro, m, K, row_scale, warp_sums);  // the K slice is staged once
+      return stage_x_prologue<MT>(x, pro, row_scale, m, K, src.suh, kt0, kt1, xs);
+    } else {
+      if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
+      return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
+    }
   };
   float* part = partial + src.partial_base * m;
   gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
@@ -2554,10 +2557,14 @@ int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const Gr
   }
   auto launch = [&](auto* op, auto mt, auto kw) {
     using A = std::remove_pointer_t<decltype(op)>;
-    auto kernel = linear_decode_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, A>;
-    allow_smem(kernel, smem);
-    return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
-                     num, partial, counters, op, m, kt, total_items, total_cols, pro);
+    auto go = [&](auto kernel) {
+      allow_smem(kernel, smem);
+      return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
+                       num, partial, counters, op, m, kt, total_items, total_cols, pro);
+    };
+    constexpr int MT = decltype(mt)::value, KW = decltype(kw)::value;
+    return pro.kind == kXPlain ? go(linear_decode_kernel<K2, CB, MT, KW, A, false>)
+                               : go(linear_decode_kernel<K2, CB, MT, KW, A, true>);
   };
   auto with_warps = [&](auto* op, auto mt) {
     return warps == 8 ? launch(op, mt, std::integral_constant<int, 8>{})
