@@ -117,15 +117,12 @@ def test_blockers_name_what_keeps_a_layer_unfused(model, monkeypatch):
     monkeypatch.setenv("SGLANG_EXL3_CHECK_OUTPUTS", "1")
     assert any("CHECK_OUTPUTS" in b for b in fd.fusion_blockers(layer, need_kernels=False))
     monkeypatch.delenv("SGLANG_EXL3_CHECK_OUTPUTS")
-    changed = copy.copy(layer)
-    changed.mlp = copy.copy(layer.mlp)
-    changed.mlp.down_proj = copy.copy(layer.mlp.down_proj)
+    changed = copy.deepcopy(layer)  # a shallow copy would share its submodules and parameters with the model's
     changed.mlp.down_proj.tp_size = 2
-    changed.mlp.down_proj.exl3_shards = layer.mlp.down_proj.exl3_shards * 2
+    changed.mlp.down_proj.exl3_shards = changed.mlp.down_proj.exl3_shards * 2
     assert fd.fusion_blockers(changed, need_kernels=False) == [
         "mlp.down_proj is tensor-parallel (o / down's all-reduce sits between the GEMM and the norm)",
         "mlp.down_proj: 2 sources that cannot share launches (want 1)"]
-    changed.post_attention_layernorm = copy.copy(layer.post_attention_layernorm)
     changed.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight.float())
     assert "post_attention_layernorm is not a plain fp16 / bf16 RMSNorm" in fd.fusion_blockers(changed,
                                                                                                 need_kernels=False)
