@@ -1705,6 +1705,27 @@ template <> __device__ __forceinline__ __nv_bfloat16 act_round<__nv_bfloat16>(fl
   return __float2bfloat16_rn(v);
 }
 
+// x * rrms * w as the norm's output in the model's dtype A, then as the fp16 an input rotation reads (SGLang's
+// fused add + RMSNorm: its A output from the fp32 x)
+template <typename A>
+__device__ __forceinline__ half normed_half(float x, float rrms, A w) {
+  return __float2half_rn(act_float(act_round<A>(x * rrms * act_float(w))));
+}
+
+// The sum of every thread's v over the block, in every thread: warp butterflies, then the warps' sums in warp order
+// (deterministic). warp_sums: a float per warp in shared memory, free again on return.
+__device__ __forceinline__ float block_sum(float v, float* __restrict__ warp_sums) {
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < warps; ++i) total += warp_sums[i];
+  __syncthreads();
+  return total;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kNormMaxWarps * 32) add_norm_rotate_kernel(
     const T* __restrict__ h, const float* __restrict__ partial, const GroupSource* __restrict__ hsrc,
@@ -1747,21 +1768,14 @@ __global__ void __launch_bounds__(kNormMaxWarps * 32) add_norm_rotate_kernel(
       sq += x[i] * x[i];
     }
   }
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, s);
-  if (lane == 0) warp_sums[warp] = sq;
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < warps; ++i) total += warp_sums[i];
-  const float rrms = rsqrtf(total / (float)cols + eps);
+  const float rrms = rsqrtf(block_sum(sq, warp_sums) / (float)cols + eps);
   for (int b = warp; b < blocks; b += warps) {
     const int c = b * 128 + lane * 4;
     const uint2 wv = *reinterpret_cast<const uint2*>(w + c);
     const T* wp = reinterpret_cast<const T*>(&wv);
     half v[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      v[i] = __float2half_rn(act_float(act_round<T>(row_x[c + i] * rrms * act_float(wp[i]))));
+    for (int i = 0; i < 4; ++i) v[i] = normed_half(row_x[c + i], rrms, wp[i]);
     for (int s = 0; s < num; ++s)
       if (dst[s].n_tiles != 0) had_in_values(v, dst[s].suh + b * 128, xh_all + (size_t)s * rows * cols + row + b * 128,
                                              lane);
@@ -2054,7 +2068,6 @@ struct XPrologue {
 template <typename A>
 __device__ __forceinline__ void x_row_scales(const A* __restrict__ x, const XPrologue& pro, int m, int K,
                                              float* __restrict__ row_scale, float* __restrict__ warp_sums) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const A* res = (const A*)pro.residual;
   A* res_out = blockIdx.x == 0 ? (A*)pro.residual_out : nullptr;
   for (int r = 0; r < m; ++r) {
@@ -2073,17 +2086,10 @@ __device__ __forceinline__ void x_row_scales(const A* __restrict__ x, const XPro
       }
       if (res_out != nullptr) *reinterpret_cast<uint2*>(res_out + at) = rv;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    if (lane == 0) warp_sums[warp] = sq;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float total = 0.f;
-      for (int w = 0; w < warps; ++w) total += warp_sums[w];
-      row_scale[r] = rsqrtf(total / (float)K + pro.eps);
-    }
-    __syncthreads();
+    const float total = block_sum(sq, warp_sums);
+    if (threadIdx.x == 0) row_scale[r] = rsqrtf(total / (float)K + pro.eps);
   }
+  __syncthreads();  // row_scale written
 }
 
 // stage_x_rotated of the prologue's rows (kXAddNorm after x_row_scales, kXActMul)
@@ -2115,10 +2121,8 @@ __device__ __forceinline__ uint32_t stage_x_prologue(const A* __restrict__ x, co
     const A* rp = reinterpret_cast<const A*>(&rv);
     const A* wp = reinterpret_cast<const A*>(&wv);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float h = act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f);
-      v[i] = __float2half_rn(act_float(act_round<A>(h * row_scale[r] * act_float(wp[i]))));
-    }
+    for (int i = 0; i < 4; ++i)
+      v[i] = normed_half(act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f), row_scale[r], wp[i]);
   };
   return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
 }
@@ -2762,18 +2766,14 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   const bool ring = ring_mode_ok(ring_mode), wg = wg_mode_ok(ring_mode);
   // the ring's output rotation in its own launch needs a counter per 64-row block and 128 columns
-  if (counters != nullptr && (out == nullptr || !ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
-                                                          (total_cols / 128)))
+  if (counters != nullptr && (out == nullptr || !ring ||
+                              counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) * (total_cols / 128)))
     return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, out_items = m * (total_cols / 128);
-  if (x == nullptr) {  // xh_all already holds the rotated inputs (exl3_add_norm_rotate, exl3_mlp_mid)
-  } else if (x_bf16) {
-    launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
-  } else {
-    launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
-  }
+  if (x != nullptr && x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
+  else if (x != nullptr) launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int* c = (int*)counters;
@@ -3093,9 +3093,6 @@ int exl3_slab_tail(const void* y, const void* ids, int ids_bytes, const void* w,
   return (int)cudaGetLastError();
 }
 
-// Host-side reading of a group table as the kernels read it (tests on machines without a GPU: the Python side's
-// packing and the source lookup). table in host memory; out[0..6] = source of `item`, source of `col`, and that
-// item's source's n_tiles, splits, x_row, item_begin, partial_base.
 // A dense decoder layer's norm (add_norm_rotate_kernel): residual add + RMSNorm + the input rotation of every source
 // of `dst_table` (num sources, GroupSource layout) in one launch. The activations h, residual and w are bf16, or
 // fp16 (bf16 = 0). h: [rows, cols]; or null, with h_table (a one-source group) and its fp32 partials from
@@ -3138,6 +3135,9 @@ int exl3_mlp_mid(const void* partial, const void* gu_table, const void* dn_table
   return (int)cudaGetLastError();
 }
 
+// Host-side reading of a group table as the kernels read it (tests on machines without a GPU: the Python side's
+// packing and the source lookup). table in host memory; out[0..6] = source of `item`, source of `col`, and that
+// item's source's n_tiles, splits, x_row, item_begin, partial_base.
 int exl3_group_probe(const void* table, int num, long long item, long long col, long long* out) {
   if (num <= 0 || !table || !out) return -3;
   auto srcs = (const GroupSource*)table;
