@@ -272,7 +272,7 @@ def fused_decoder_plans(result, model, *args, **kwargs):
     decoder layer gets its fused plan once its linears hold their final weights (layers/fused_decoder.py)."""
     from sglang_exl3.layers.fused_decoder import attach_plans
 
-    if getattr(model, "quant_config", None) is not None and isinstance(model.quant_config, Exl3Config):
+    if isinstance(getattr(model, "quant_config", None), Exl3Config):
         attach_plans(model)
     return result
 

@@ -1105,15 +1105,30 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
                          f"rotate its own output) and int32 on {x.device}, got ring {ring}, {counters.dtype} on "
                          f"{counters.device}")
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
-    partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=x.dtype, device=x.device)
-    bf16 = int(x.dtype == torch.bfloat16)
-    _check(load_library().exl3_group_linear(x.data_ptr(), bf16, table.data_ptr(), num, xh.data_ptr(),
-                                            partial.data_ptr(), out.data_ptr(), bf16, m, k_tiles, total_items,
-                                            total_cols, k2, codebook, xs_slice, ring,
-                                            0 if counters is None else counters.data_ptr(),
-                                            0 if counters is None else counters.numel(), _stream(x)), "group linear")
+    group_launch(xh, table, num, m, k_tiles, total_items, total_cols, partial_elems, k2, codebook, xs_slice, ring,
+                 x=x, out=out, counters=counters)
     return out
+
+
+def group_launch(xh: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
+                 total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0, ring: int = 0,
+                 x: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
+    """exl3_group_linear over scratch xh fp16 [num, m, K]; returns its fp32 partials. x: rotated into xh first (None:
+    xh holds the rotated inputs already); out [m, total_cols]: the output rotation written there (None: the partials
+    are the result, for kernels/fused_layer.py's launches that read them). group_run's checks are the caller's."""
+    partial = torch.empty(partial_elems * m, dtype=torch.float32, device=xh.device)
+
+    def ptr(t: torch.Tensor | None):
+        return None if t is None else t.data_ptr()
+
+    _check(load_library().exl3_group_linear(ptr(x), int(x is not None and x.dtype == torch.bfloat16), table.data_ptr(),
+                                            num, xh.data_ptr(), partial.data_ptr(), ptr(out),
+                                            int(out is not None and out.dtype == torch.bfloat16), m, k_tiles,
+                                            total_items, total_cols, k2, codebook, xs_slice, ring, ptr(counters),
+                                            0 if counters is None else counters.numel(), _stream(xh)), "group linear")
+    return partial
 
 
 MAX_FUSED_TOPK = 32  # moe_tail's shared rows: more experts per token run the MoE stages one by one

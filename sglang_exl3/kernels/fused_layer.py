@@ -24,7 +24,10 @@ from sglang_exl3.codec.hadamard import had_r_128
 from sglang_exl3.kernels.cuda_trellis import (
     Exl3Group,
     _check,
+    _check_act,
+    _check_fp16,
     _stream,
+    group_launch,
     load_library,
     one_launch_scratch,
     one_launch_warps,
@@ -33,21 +36,14 @@ from sglang_exl3.kernels.cuda_trellis import (
 
 def _launch_group(group: Exl3Group, m: int, xh: torch.Tensor, x: torch.Tensor | None,
                   out: torch.Tensor | None) -> torch.Tensor:
-    """exl3_group_linear at the group's policy for m rows (ring, x slice or global loads); x None: xh holds the
-    rotated inputs already; out None: no output rotation. Returns the fp32 partials."""
+    """cuda_trellis.group_launch at the group's policy for m rows (ring, x slice or global loads); x None: xh holds
+    the rotated inputs already; out None: no output rotation. Returns the fp32 partials."""
     if not group.runs_fused(m):
         raise ValueError(f"this EXL3 group does not run {m} rows on its fused GEMM (Exl3Group.runs_fused)")
     ring = group.ring_mode(m)
-    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=xh.device)
-    x_bf16 = int(x is not None and x.dtype == torch.bfloat16)
-    y_bf16 = int(out is not None and out.dtype == torch.bfloat16)
-    _check(load_library().exl3_group_linear(None if x is None else x.data_ptr(), x_bf16, group.table.data_ptr(),
-                                            group.num, xh.data_ptr(), partial.data_ptr(),
-                                            None if out is None else out.data_ptr(), y_bf16, m, group.k_tiles,
-                                            group.total_items, group.total_cols, group.k2, group.codebook,
-                                            0 if ring else group.xs_slice(m), ring, None, 0, _stream(xh)),
-           "group linear")
-    return partial
+    return group_launch(xh, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
+                        group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring, x=x,
+                        out=out)
 
 
 def _rotated_inputs(group: Exl3Group, m: int, device: torch.device) -> torch.Tensor:
@@ -163,16 +159,14 @@ def one_launch_prologue(x: torch.Tensor, group: Exl3Group, counters: torch.Tenso
 
 
 def _check_rows(name: str, t: torch.Tensor, m: int, cols: int, dtype: torch.dtype | None = None) -> None:
-    if tuple(t.shape) != (m, cols) or not t.is_cuda or not t.is_contiguous() or \
-            t.dtype not in ((dtype,) if dtype else (torch.float16, torch.bfloat16)):
-        raise ValueError(f"{name} must be a contiguous CUDA {dtype or 'fp16 / bf16'} tensor [{m}, {cols}], got "
-                         f"{t.dtype} {list(t.shape)} on {t.device}")
+    """An activation [m, cols] (cuda_trellis._check_act), of `dtype` where given (the norm's)."""
+    _check_act(name, t, (m, cols))
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} like the norm's weight, got {t.dtype}")
 
 
 def _check_xh(xh: torch.Tensor, group: Exl3Group, m: int) -> None:
-    if tuple(xh.shape) != (group.num, m, group.k_tiles * 16) or xh.dtype != torch.float16 or not xh.is_contiguous():
-        raise ValueError(f"rotated inputs must be contiguous fp16 [{group.num}, {m}, {group.k_tiles * 16}], got "
-                         f"{xh.dtype} {list(xh.shape)}")
+    _check_fp16("rotated inputs", xh, (group.num, m, group.k_tiles * 16))
 
 
 # ---- the torch reference (any device): the same roundings, the kernels' tests compare against it ----------------
