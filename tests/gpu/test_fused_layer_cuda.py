@@ -35,7 +35,7 @@ def _group(k: int, widths: tuple[int, ...], seed: int, bits: int = 4, cb: Codebo
     return ck.make_group(tiles, suh, svh, cb), suh, svh
 
 
-def _bf16(m: int, n: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _rows(m: int, n: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return (torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).cuda()
 
 
@@ -67,7 +67,7 @@ def test_group_from_rotated_inputs_and_its_partials_equal_group_linear(m):
     """x null (rotated inputs given) and out null (partials only) change nothing else: the same bits as
     group_linear on every path the policy picks for m (global loads, x slice, mma.sync and wgmma rings)."""
     group, suh, svh = _group(1024, (512, 128, 128), seed=m)
-    x = _bf16(m, 1024, seed=100 + m)
+    x = _rows(m, 1024, seed=100 + m)
     want = ck.group_linear(x, group)
     xh = torch.stack([ck.had_in(x, s) for s in suh])
     assert _same(fl.group_from_rotated(group, xh), want)
@@ -84,8 +84,8 @@ def test_add_norm_rotate_matches_its_reference(m, cols, with_residual, dtype):
     """Residual add + RMSNorm + every source's input rotation: the residual bit for bit, the rotated inputs within
     the norm's sum order (one row's rrms may differ in its last bit, flipping a few roundings of the model dtype)."""
     dst, suh, _ = _group(cols, (256, 128, 128), seed=cols + m)
-    h = _bf16(m, cols, seed=m, dtype=dtype)
-    residual = _bf16(m, cols, seed=m + 1, scale=4.0, dtype=dtype) if with_residual else None
+    h = _rows(m, cols, seed=m, dtype=dtype)
+    residual = _rows(m, cols, seed=m + 1, scale=4.0, dtype=dtype) if with_residual else None
     weight = (1 + 0.1 * torch.randn(cols, generator=torch.Generator().manual_seed(5))).to(dtype).cuda()
     want, want_residual = fl.torch_add_norm_rotate(h, residual, weight, 1e-5, suh)
     got_residual = None if residual is None else residual.clone()
@@ -102,9 +102,9 @@ def test_add_norm_rotate_from_partials_equals_it_from_the_rotated_output(m):
     """Fed by the o projection's partials, the norm launch gives what it gives on o's own bf16 output."""
     o, _, _ = _group(512, (1024,), seed=7)
     dst, _, _ = _group(1024, (512, 512), seed=8)
-    x = _bf16(m, 512, seed=m)
+    x = _rows(m, 512, seed=m)
     weight = (1 + 0.1 * torch.randn(1024, generator=torch.Generator().manual_seed(6))).bfloat16().cuda()
-    residual = _bf16(m, 1024, seed=m + 2)
+    residual = _rows(m, 1024, seed=m + 2)
     want_residual = residual.clone()
     want = fl.add_norm_rotate(dst, weight, 1e-6, h=ck.group_linear(x, o), residual=want_residual)
     got = fl.add_norm_rotate(dst, weight, 1e-6, residual=residual, h_group=o, partial=fl.group_partials(o, x=x), m=m)
@@ -117,7 +117,7 @@ def test_mlp_mid_matches_its_reference(m):
     sums (torch's SiLU against the kernel's expf: a few fp16 roundings apart)."""
     gate_up, _, svh = _group(512, (1024, 1024), seed=m)
     down, suh, _ = _group(1024, (512,), seed=m + 1)
-    x = _bf16(m, 512, seed=m)
+    x = _rows(m, 512, seed=m)
     partial = fl.group_partials(gate_up, x=x)
     got = fl.mlp_mid(partial, gate_up, down, m)
     gate, up = (_summed(p) for p in _source_partials(gate_up, partial, m))
@@ -134,7 +134,7 @@ def test_fused_steps_capture_in_a_cuda_graph():
     gate_up, _, _ = _group(cols, (inter, inter), seed=1)
     down, _, _ = _group(inter, (cols,), seed=2)
     weight = torch.ones(cols, dtype=torch.bfloat16, device="cuda")
-    h, residual = _bf16(m, cols, seed=3), _bf16(m, cols, seed=4)
+    h, residual = _rows(m, cols, seed=3), _rows(m, cols, seed=4)
 
     def steps():
         xh = fl.add_norm_rotate(gate_up, weight, 1e-6, h=h, residual=residual)
@@ -151,8 +151,8 @@ def test_fused_steps_capture_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = steps()
     for seed in (10, 11):
-        h.copy_(_bf16(m, cols, seed=seed))
-        fresh = _bf16(m, cols, seed=seed + 1)
+        h.copy_(_rows(m, cols, seed=seed))
+        fresh = _rows(m, cols, seed=seed + 1)
         residual.copy_(fresh)
         graph.replay()
         graphed, graphed_residual = out.clone(), residual.clone()
@@ -169,7 +169,7 @@ def test_one_launch_prologues_match_the_linear_on_torch_formed_rows(m, dtype):
     qkv, _, _ = _group(k, (512, 256, 256), seed=m)
     down, _, _ = _group(inter, (k,), seed=m + 1)
     qkv_one, down_one = _one_launch(qkv), _one_launch(down)
-    h, residual = _bf16(m, k, seed=m, dtype=dtype), _bf16(m, k, seed=m + 2, scale=4.0, dtype=dtype)
+    h, residual = _rows(m, k, seed=m, dtype=dtype), _rows(m, k, seed=m + 2, scale=4.0, dtype=dtype)
     weight = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(9))).to(dtype).cuda()
     for res in (residual, None):
         out_residual = torch.full_like(h, float("nan"))
@@ -180,7 +180,7 @@ def test_one_launch_prologues_match_the_linear_on_torch_formed_rows(m, dtype):
         assert torch.isfinite(got.float()).all() and _rel(got, want) < 2e-3
         if res is not None:
             assert _same(out_residual, updated)
-    gate_up = _bf16(m, 2 * inter, seed=m + 3, dtype=dtype)
+    gate_up = _rows(m, 2 * inter, seed=m + 3, dtype=dtype)
     got = fl.one_launch_prologue(gate_up, down_one.group, down_one.counters, fl.X_ACT_MUL)
     want = ck.one_launch_linear(fl.torch_act_mul(gate_up), down_one.group, down_one.counters)
     assert torch.isfinite(got.float()).all() and _rel(got, want) < 2e-3
