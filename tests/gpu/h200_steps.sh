@@ -301,17 +301,19 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     ;;
   fusedab)  # benchmarks/fused_layer_ab.py: a decoder layer's linears and glue fused / unfused / bf16 (SGLang's kernels)
     site_env
-    PYTHONPATH=$PWD timeout "${FUSEDAB_TIMEOUT:-300}" python3 benchmarks/fused_layer_ab.py ${FUSEDAB_ARGS:-} 2>&1 |
+    PYTHONPATH=$PWD:$PYTHONPATH timeout "${FUSEDAB_TIMEOUT:-300}" python3 benchmarks/fused_layer_ab.py ${FUSEDAB_ARGS:-} 2>&1 |
       tee "$work/fusedab.txt" | grep -v "^{" | tail -12
     cp benchmarks/results/fused-layer-ab* "$work/" 2>/dev/null
     ;;
   e2e)  # Llama-3-8B-shaped EXL3 ($E2E_BITS, 4 by default) against its bf16 twin
     site_env
     stop_servers
+    touch "$work/.started"
     timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/e2e.py --bits "${E2E_BITS:-4}" --backend cuda --workdir /tmp/e2e \
       ${E2E_ARGS:-} 2>&1 | tee "$work/e2e.txt" | tail -20
-    cp benchmarks/results/e2e-h[0-9]*.* /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
-    if [[ "${E2E_ARGS:-}" == *--profile-steps* ]]; then cp benchmarks/results/e2e-profile-*.* "$work/"; fi
+    # every results file this run wrote (its --shape names them e2e-<shape>-*), and the servers' logs
+    find benchmarks/results -name 'e2e*' -newer "$work/.started" -exec cp {} "$work/" \;
+    cp /tmp/e2e/e2e-server-*.log "$work/" 2>/dev/null
     ;;
   load)
     site_env
