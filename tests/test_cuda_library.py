@@ -399,7 +399,7 @@ def test_ring_mode_takes_the_wgmma_ring_where_it_is_ready(monkeypatch):
         monkeypatch.delenv("SGLANG_EXL3_WGMMA")
         ck._wgmma_knob.cache_clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    group = ck.Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 16, 8, 128, 0, 8, 16], 1)
+    group = ck.Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 16, 8, 128, 0, 8, 16, 0, 0], 1)
     assert [group.runs_fused(m) for m in (16, 64, 65, 256)] == [True, True, False, False]  # then source by source
     with ck.pinned_wgmma(False):
         assert [group.runs_fused(m) for m in (65, 128, 129)] == [True, True, False]

@@ -100,7 +100,7 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request)
     table = torch.zeros(3, 8, dtype=torch.int64)
 
     def call(m, max_slice=16):  # meta: sources, K/16, items, columns, partials per row, words per tile, max slice
-        meta = [3, 16, 0, 640, 0, 6, max_slice]
+        meta = [3, 16, 0, 640, 0, 6, max_slice, 0, 0]
         return torch.ops.exl3.gemm_group(torch.randn(m, 256).half(), tiles, suh, svh, table, meta, 1)
 
     for m in (1, 15, 16, 32, 33, 128, 129):
@@ -151,6 +151,37 @@ def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
     ck.exl3_linear(torch.zeros(16, 256).half(), torch.zeros(12, 16, 64, dtype=torch.int16), suh[:192].clone(),
                    svh[:192].clone(), Codebook.MCG)  # N = 192
     assert calls[0][1] == 0
+
+
+def test_wgmma_ring_runs_a_group_at_half_its_splits(monkeypatch):
+    """A group made at the policy's splits keeps a second set of table rows at half of them (rounded up) for the
+    wgmma ring, where every split's fp32 partials are written and read back: the Llama-3-8B q/k/v group goes from 16
+    to 8 splits, gate/up from 5 to 3. None where nothing would change or the blocks would not fill half the SMs.
+    group_linear launches those rows on a wgmma mode and the load-time rows on every other path."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
+    cpu = torch.device("cpu")
+    assert ck.wg_splits([256, 64, 64], [16, 16, 16], cpu) == [8, 8, 8]
+    assert ck.wg_splits([896, 896], [5, 5], cpu) == [3, 3]
+    assert ck.wg_splits([896, 896], [1, 1], cpu) is None
+    assert ck.wg_splits([16, 8], [4, 4], cpu) is None  # (2 + 1) x 2 blocks < 66
+    rows, items, _, base = ck.group_table([(1, 2, 3, 256, 16), (4, 5, 6, 64, 16)])
+    wg_rows, wg_items, _, wg_base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
+    assert (wg_items, wg_base) == (items // 2, base // 2)
+    group = ck.Exl3Group(table=torch.tensor(rows + wg_rows), num=2, k_tiles=256, total_items=items, total_cols=5120,
+                         partial_per_row=base, k2=64, codebook=int(Codebook.MCG), wg_items=wg_items,
+                         wg_partial_per_row=wg_base)
+    assert ck.Exl3Group.from_meta(group.table, group.meta, group.codebook) == group
+    launched = []
+    monkeypatch.setattr(ck, "group_run", lambda x, table, num, m, kt, items, cols, part, *rest: (
+        launched.append((table.tolist(), items, part, rest[3])), torch.zeros(m, cols))[1])
+    x = torch.zeros(48, 4096).half()
+    for ring in (91, 81, 0):
+        ck.group_linear(x, group, ring=ring)
+    assert launched == [(wg_rows, wg_items, wg_base, 91), (rows, items, base, 81), (rows, items, base, 0)]
+    plain = ck.Exl3Group.from_meta(group.table[:2], group.meta[:7] + [0, 0], group.codebook)
+    assert plain.launch_rows(91)[1:] == (items, base)
 
 
 def test_group_only_for_sources_that_can_share_launches():

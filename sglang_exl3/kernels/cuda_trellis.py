@@ -680,9 +680,10 @@ class Exl3Group:
     """Same-input sources (q/k/v, gate/up) that run as one: a multi-source input rotation, one GEMM launch over
     every source's work items and one output rotation writing the concatenated output (3 launches, not 3 per
     source). Built once per layer at load; `table` (GroupSource[] in device memory) points into the source
-    tensors, which `sources` keeps alive."""
+    tensors, which `sources` keeps alive. On the wgmma ring a group made at the policy's splits runs a second set of
+    rows, at half those splits (`wg_splits`): `launch_rows`."""
 
-    table: torch.Tensor  # int64 [num, 8]
+    table: torch.Tensor  # int64 [num, 8], then the wgmma ring's [num, 8] where wg_items > 0
     num: int
     k_tiles: int
     total_items: int
@@ -695,18 +696,28 @@ class Exl3Group:
     # int32 [RING_COUNTER_ROW_BLOCKS * total_cols / 128], zero between calls: with them the ring GEMM rotates its own
     # output (the last block of each 64 rows x 128 columns), one launch fewer
     ring_counters: torch.Tensor | None = None
+    wg_items: int = 0  # the wgmma ring's rows (table[num:]): work items and partials per row; 0: none
+    wg_partial_per_row: int = 0
 
     @property
     def meta(self) -> list[int]:
         """The ints a registered op needs to rebuild this group around its table (see from_meta)."""
         return [self.num, self.k_tiles, self.total_items, self.total_cols, self.partial_per_row, self.k2,
-                self.max_slice]
+                self.max_slice, self.wg_items, self.wg_partial_per_row]
 
     @classmethod
     def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int) -> Exl3Group:
-        num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice = meta
+        num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice, wg_items, wg_partial = meta
         return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
-                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice)
+                   partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice,
+                   wg_items=wg_items, wg_partial_per_row=wg_partial)
+
+    def launch_rows(self, ring: int) -> tuple[torch.Tensor, int, int]:
+        """The table rows, work items and partials per row that a launch on `ring` takes: the wgmma ring's own rows
+        where the group has them, else the load-time rows."""
+        if ring in WG_MODES and self.wg_items:
+            return self.table[self.num:], self.wg_items, self.wg_partial_per_row
+        return self.table[:self.num], self.total_items, self.partial_per_row
 
     def runs_fused(self, m: int) -> bool:
         """Whether m rows run as this group's one fused launch: up to fused_crossover_m(); through the x ring from
@@ -722,7 +733,8 @@ class Exl3Group:
 
     def ring_mode(self, m: int) -> int:
         """The x-ring mode for m rows, 0 where the ring does not serve them (every source's N is a multiple of 128,
-        which the ring's 8-warp blocks need). The ring runs at the group's load-time splits."""
+        which the ring's 8-warp blocks need). The mma.sync ring runs at the group's load-time splits, the wgmma ring at
+        launch_rows'."""
         return ring_mode(m) if uses_ring(m, 8) else 0
 
     def xs_slice(self, m: int) -> int:
@@ -764,11 +776,29 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
         sp = splits[i] if splits else default_splits(kt, nt, t.device)
         sources.append((t.data_ptr(), suh[i].data_ptr(), svh[i].data_ptr(), nt, sp))
     rows, item, col, base = group_table(sources)
-    table = torch.tensor(rows, dtype=torch.int64).to(tiles[0].device)
+    wg = None if splits else wg_splits([src[3] for src in sources], [src[4] for src in sources], tiles[0].device)
+    wg_rows, wg_item, wg_base = [], 0, 0
+    if wg:
+        wg_rows, wg_item, _, wg_base = group_table([(*src[:4], sp) for src, sp in zip(sources, wg, strict=True)])
+    table = torch.tensor(rows + wg_rows, dtype=torch.int64).to(tiles[0].device)
     counters = torch.zeros(RING_COUNTER_ROW_BLOCKS * col // 128, dtype=torch.int32, device=tiles[0].device)
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)),
-                     max_slice=max(-(-kt // src[4]) for src in sources), ring_counters=counters)
+                     max_slice=max(-(-kt // src[4]) for src in sources), ring_counters=counters, wg_items=wg_item,
+                     wg_partial_per_row=wg_base)
+
+
+def wg_splits(n_tiles: list[int], splits: list[int], device: torch.device) -> list[int] | None:
+    """A group's splits on the wgmma ring (33-64 rows): half its load-time splits, rounded up -- the single-linear
+    policy's count there (ring_splits) -- unless that leaves fewer blocks than half the SMs at 64 rows; None where
+    no source would change. Every split writes fp32 partials [S, m, N] that the output rotation reads back: at 64
+    rows the Llama-3-8B q/k/v group (16 splits) writes 25 MB and gate/up (5) 37 MB, which is the layer's gap to
+    bf16 (benchmarks/results/fused-layer-ab-h200.md, e2e-profile-h200.md)."""
+    half = [max(1, -(-sp // 2)) for sp in splits]
+    blocks = sum(nt // 8 * sp for nt, sp in zip(n_tiles, half, strict=True))
+    if half == list(splits) or 2 * blocks < _sm_count(device.index or 0):
+        return None
+    return half
 
 
 def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:
@@ -1300,8 +1330,9 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
-    return group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
-                     group.partial_per_row, group.k2, group.codebook, 0 if ring else group.xs_slice(m), ring, counters)
+    table, items, partial_per_row = group.launch_rows(ring)
+    return group_run(x, table, group.num, m, group.k_tiles, items, group.total_cols, partial_per_row, group.k2,
+                     group.codebook, 0 if ring else group.xs_slice(m), ring, counters)
 
 
 @dataclass(frozen=True)

@@ -398,6 +398,36 @@ def test_group_with_x_in_shared_memory_is_bit_identical(cb, bits):
         assert torch.equal(ck.group_linear(x[:m], group).view(torch.int16), want.view(torch.int16))
 
 
+def test_group_on_the_wgmma_ring_runs_its_half_split_rows():
+    """A group made at the policy's splits (the Llama-3-8B q/k/v widths) runs 33-64 rows on the wgmma ring from its
+    second table rows, at half the load-time splits: the mma.sync ring's result at those splits, and the load-time
+    rows' within fp32 summation order; the other paths keep the load-time rows."""
+    _needs_wgmma()
+    k, widths, cb = 4096, (4096, 1024, 1024), Codebook.MCG
+    srcs = [_case(k, n, 4, 1, seed=90 + i) for i, n in enumerate(widths)]
+    group = ck.make_group([ck.prepare(t.cuda()) for t, _, _, _ in srcs], [s.cuda() for _, s, _, _ in srcs],
+                          [v.cuda() for _, _, v, _ in srcs], cb)
+    splits = [ck.default_splits(k // 16, n // 16, torch.device("cuda")) for n in widths]
+    halves = [-(-s // 2) * n for s, n in zip(splits, widths, strict=True)]
+    assert group.wg_items and group.wg_partial_per_row == sum(halves)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(9)).half().cuda()
+
+    def run(rows: torch.Tensor, wg: bool, **kw) -> torch.Tensor:
+        table, items, part = group.launch_rows(91 if wg else 0)
+        return ck.group_run(rows.contiguous(), table, group.num, rows.shape[0], group.k_tiles, items,
+                            group.total_cols, part, group.k2, group.codebook, **kw)
+
+    with ck.pinned_wgmma(True):
+        for m in (33, 64):
+            for dtype in (torch.float16, torch.bfloat16):
+                got = ck.group_linear(x[:m].to(dtype), group)
+                assert group.ring_mode(m) in ck.WG_MODES
+                assert _close(got.float(), run(x[:m].to(dtype), True, ring=81).float()) < 2e-3, f"m={m}"
+                assert _close(got.float(), run(x[:m].to(dtype), False, ring=91).float()) < 2e-3, f"m={m}"
+        assert torch.equal(ck.group_linear(x[:16], group).view(torch.int16),
+                           run(x[:16], False, ring=group.ring_mode(16)).view(torch.int16))
+
+
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)])
 def test_group_with_x_ring_is_bit_identical(cb, bits):
     """The group GEMM with x through the shared-memory ring writes what global loads write, bit for bit, for
