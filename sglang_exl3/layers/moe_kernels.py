@@ -5,7 +5,7 @@ bitrates; an R7 expert's gate, up and down may each have its own: a tier whose g
 groups, unfused). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
 - routed: `torch.ops.exl3.moe_decode` per tier, one m = 1 source per (token, expert) pair (decode) in two launches
-  that find each pair's expert on the device, or from 1.5 pairs per expert `torch.ops.exl3.moe_sorted`
+  that find each pair's expert on the device, or from one pair per expert `torch.ops.exl3.moe_sorted`
   (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64 rows, one source per tile: a table launch and
   the fused five-launch forward); pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
 - rotated slab (from rotated_min_rows(experts, top-k) rows; layers/moe_rotated.py): every expert's W_hat decoded
@@ -159,8 +159,8 @@ def tier_rotations(tiers: list[ExpertTier]) -> tuple[torch.Tensor, ...]:
 
 
 def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
-    """Counters for the decode forward of a tier: per-pair sources run below 1.5 pairs per expert (sorted_rows),
-    so fewer than 1.5 E pairs (and tokens) ever reach it."""
+    """Counters for the decode forward of a tier: per-pair sources run below one pair per expert (sorted_rows), so
+    fewer than E pairs (and tokens) ever reach it; sized for 1.5 E."""
     from sglang_exl3.kernels.cuda_trellis import decode_counters
 
     gate = experts[0]["w1"]
@@ -171,10 +171,10 @@ def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
 
 def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     """Whether routed rows go to expert-sorted tiles (an expert read once per tile) rather than one source per
-    (token, expert) pair. Measured on the H200 (Qwen3-30B-A3B layer, 4 bits, fused forwards): pairs 261 µs vs
-    sorted 335 µs at m = 16 (128 pairs = E), pairs 941 vs sorted 449 at m = 64 (4 E): linear between them they
-    cross near 1.5 E pairs. Predicted before measuring: at E pairs."""
-    return 2 * rows * topk >= 3 * experts
+    (token, expert) pair: from E pairs. With the plan in one launch (exl3_sorted_plan) the Qwen3-30B-A3B layer at
+    m = 16 (128 pairs = E) takes 166 µs sorted against 220 on the two-launch decode forward (H200,
+    benchmarks/results/moe-h200.md); below E pairs not measured since, so those stay per pair."""
+    return rows * topk >= experts
 
 
 def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
