@@ -89,17 +89,23 @@ def bench_shape(k: int, n: int, bits: int, ms: list[int], cbs: list[Codebook]) -
     return rows
 
 
-def load_splits(group: ck.Exl3Group, x: torch.Tensor) -> torch.Tensor:
-    """The group on the wgmma ring at its load-time splits instead of its wgmma rows (half of them)."""
-    m = x.shape[0]
-    return ck.group_run(x, group.table, group.num, m, group.k_tiles, group.total_items, group.total_cols,
-                        group.partial_per_row, group.k2, group.codebook, ring=group.ring_mode(m))
+SPLIT_VARIANTS = {1: "wg_load_splits_us", 4: "wg_quarter_splits_us", 8: "wg_eighth_splits_us"}
+
+
+def at_splits(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor], cb: Codebook,
+              divisor: int) -> ck.Exl3Group:
+    """The group at its load-time splits divided by `divisor` (rounded up), given explicitly: no wgmma rows, so the
+    wgmma ring runs these splits (the policy runs half, `wg_splits`)."""
+    splits = [max(1, -(-ck.default_splits(t.shape[1], t.shape[0], t.device) // divisor)) for t in tiles]
+    return ck.make_group(tiles, suh, svh, cb, splits=splits)
 
 
 def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]:
     """A same-input group as a layer runs it with the wgmma ring off and on (the policy in both), and on the wgmma
-    ring at its load-time splits (`wg_load_splits_us`, 33-64 rows) against the policy's half."""
+    ring at its load-time splits, a quarter and an eighth of them (SPLIT_VARIANTS, where the policy takes the wgmma
+    ring: 33-64 rows) against the policy's half."""
     k, widths, copies, sets, gen = group_sets(name, bits, cb)
+    variants = {d: [at_splits(*st[:3], cb, d) for st in sets] for d in SPLIT_VARIANTS}
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen).half().cuda()
@@ -119,8 +125,9 @@ def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]
         if not err < 1e-3:
             raise AssertionError(f"group {name} m={m}: wgmma differs, rel {err:.2e}")
         row["wg_policy_us"] = graph_us(policy, copies)
-        if sets[0][3].runs_fused(m) and sets[0][3].ring_mode(m) in ck.WG_MODES and sets[0][3].wg_items:
-            row["wg_load_splits_us"] = graph_us(lambda i, x=x: load_splits(sets[i % copies][3], x), copies)
+        if sets[0][3].runs_fused(m) and sets[0][3].ring_mode(m) in ck.WG_MODES:
+            for d, column in SPLIT_VARIANTS.items():
+                row[column] = graph_us(lambda i, x=x, d=d: ck.group_linear(x, variants[d][i % copies]), copies)
         row["wg_vs_policy"] = round(row["policy_us"] / row["wg_policy_us"], 3)
         row["wg_time_vs_bf16"] = round(row["wg_policy_us"] / row["bf16_us"], 3)
         rows.append(row)
@@ -149,7 +156,7 @@ def main() -> int:
     if group_rows:
         write_results("wgmma-ab-groups", header(sys.argv), group_rows,
                       ["group", "k", "n", "m", "bits", "codebook", "bf16_us", "policy_us", "wg_policy_us",
-                       "wg_load_splits_us", "wg_vs_policy", "wg_time_vs_bf16"])
+                       *SPLIT_VARIANTS.values(), "wg_vs_policy", "wg_time_vs_bf16"])
     return 0
 
 
