@@ -14,6 +14,9 @@ again after every row, so a run cut short keeps what it measured.
                                                      with launches and time per launch: e2e-profile-kernels-<gpu>)
   python benchmarks/e2e.py --serving-concurrency 1,16,64 ...   (also: SGLang's own load generator against each
                                                      server, random-ids 512 in / 128 out: output tok/s and mean ITL)
+  python benchmarks/e2e.py --twin-only ...   (only the bf16 twin: with --skip-bf16 in an earlier call on the same
+                                                     machine, the two servers of a run too long for one call)
+  python benchmarks/e2e.py --merge A.json B.json   (one table, plot and profiles from such calls' JSON; no GPU)
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ def main() -> int:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--workdir", default="/tmp/e2e")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--twin-only", action="store_true", help="serve only the bf16 twin (of the first --bits)")
+    ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON (one shape, one GPU) and exit")
     ap.add_argument("--twin", choices=["dequantized", "weightless"], default="dequantized",
                     help="the bf16 twin: the EXL3 weights dequantized, or the same config served with SGLang's "
                          "--load-format dummy (speed only; for shapes whose bf16 weights do not fit the disk)")
@@ -175,6 +180,10 @@ def main() -> int:
         data = json.loads(args.replot.read_text())
         plot(data["rows"], args.replot.with_suffix(".png"), _title(data["header"]))
         return 0
+    if args.merge:
+        return merge(args.merge)
+    if args.twin_only and args.skip_bf16:
+        ap.error("--twin-only serves only the bf16 twin, which --skip-bf16 skips")
     work = gpu_workdir("benchmarks/e2e.py", args.workdir)
     if work is None:
         return 2
@@ -188,21 +197,13 @@ def main() -> int:
     measured = {"profile_steps": args.profile_steps, "serving": serving,
                 "profile_batches": tuple(int(b) for b in args.profile_batches.split(",") if b)}
     head.update(serving_concurrency=list(serving), serving_lengths="random-ids, 512 in / 128 out")
-    cols = ["model", "ready_s", "weights_gb", "kv_tokens", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES],
-            "prefill_tok_s", *[f"serving_c{c}_{k}" for c in serving for k in ("out_tok_s", "itl_ms")]]
-    name = "e2e" if args.shape == "llama3-8b" else f"e2e-{args.shape}"
+    name = results_name(args.shape)
+    head["profile_steps"] = args.profile_steps
 
     def add(row: dict) -> None:
         rows.append(row)
         print("ROW " + json.dumps(row), flush=True)
-        path = write_results(name, head, rows, cols)
-        plot(rows, path.with_suffix(".png"), _title(head))
-        if args.profile_steps:
-            write_results(f"{name}-profile", {**head, "profile_steps": args.profile_steps}, profile_rows(rows),
-                          ["model", "batch", "category", "us_per_step"])
-            write_results(f"{name}-profile-kernels", {**head, "profile_steps": args.profile_steps},
-                          kernel_rows(rows), ["model", "batch", "kernel", "category", "us_per_step",
-                                              "launches_per_step", "us_per_launch"])
+        write_all(name, head, rows)
 
     for i, bits in enumerate(int(b) for b in args.bits.split(",")):
         ckpt = work / f"{args.shape}-exl3-{bits}bpw"
@@ -210,9 +211,10 @@ def main() -> int:
             subprocess.run([py, "-m", "sglang_exl3", "write-fixture", str(ckpt), "--arch", arch, "--shape", args.shape,
                             "--bits", str(bits), "--codebook", codebook, "--seed", str(bits)], check=True)
         exl3_env = {"SGLANG_EXL3_BACKEND": args.backend}
-        add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
-                              **measured))
-        for j, variant in enumerate(args.variant if i == 0 else []):
+        if not args.twin_only:
+            add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
+                                  **measured))
+        for j, variant in enumerate(args.variant if i == 0 and not args.twin_only else []):
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
                                   {**exl3_env, **env}, work, 32200 + j, **measured))
@@ -231,6 +233,34 @@ def main() -> int:
                 write_weightless_twin(ckpt, dense)
             add(serve_and_measure(dense, "bf16 (same config, random weights)", ["--dtype", "bfloat16",
                                   "--load-format", "dummy"], {}, work, 32100, **measured))
+    return 0
+
+
+def results_name(shape: str) -> str:
+    return "e2e" if shape == "llama3-8b" else f"e2e-{shape}"
+
+
+def write_all(name: str, head: dict, rows: list[dict]) -> None:
+    """The table and plot of these rows, and their step profiles where they have them (rewritten after every row)."""
+    serving = [c for c in dict.fromkeys(k for r in rows for k in r) if c.startswith("serving_c")]
+    cols = ["model", "ready_s", "weights_gb", "kv_tokens", *[f"decode_bs{b}_tok_s" for b in DECODE_BATCHES],
+            "prefill_tok_s", *serving]
+    path = write_results(name, head, rows, cols)
+    plot(rows, path.with_suffix(".png"), _title(head))
+    if any(r.get("profile") for r in rows):
+        write_results(f"{name}-profile", head, profile_rows(rows), ["model", "batch", "category", "us_per_step"])
+        write_results(f"{name}-profile-kernels", head, kernel_rows(rows),
+                      ["model", "batch", "kernel", "category", "us_per_step", "launches_per_step", "us_per_launch"])
+
+
+def merge(paths: list[Path]) -> int:
+    """One table, plot and profiles from several calls' JSON: the same shape on the same GPU, rows in order."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    shapes = {r["header"]["shape"] for r in runs} | {r["header"]["gpu"] for r in runs}
+    if len(shapes) != 2:
+        raise SystemExit(f"--merge takes runs of one shape on one GPU, got {sorted(shapes)}")
+    head = dict(runs[0]["header"], command=" ; ".join(r["header"]["command"] for r in runs))
+    write_all(results_name(head["shape"].split(" ")[0]), head, [row for r in runs for row in r["rows"]])
     return 0
 
 

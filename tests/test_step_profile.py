@@ -89,6 +89,39 @@ def test_e2e_files_categories_and_top_kernels_apart():
                                   "us_per_launch": 2.06}]
 
 
+def test_e2e_merge_joins_calls_of_one_shape(tmp_path, monkeypatch):
+    """The EXL3 server and its twin measured in two calls (--skip-bf16, then --twin-only) become one table with
+    both rows and every serving column, and the profiles of the rows that have them; runs of another shape or GPU
+    are refused."""
+    import json
+
+    import pytest
+
+    from benchmarks import common, e2e
+
+    out = tmp_path / "results"
+    monkeypatch.setattr(common, "RESULTS", out)
+    head = {"command": "e2e.py --skip-bf16", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+            "shape": "llama3-8b (random trellis)"}
+    exl3 = {"model": "exl3-4bpw", "decode_bs1_tok_s": 239.2, "serving_c1_out_tok_s": 226.9,
+            "profile": {1: {"exl3 GEMM": 3385.5}}, "profile_kernels": {1: []}}
+    twin = {"model": "bf16", "decode_bs1_tok_s": 199.5, "serving_c1_out_tok_s": 190.1, "serving_c1_itl_ms": 5.2}
+    runs = []
+    for i, (cmd, row) in enumerate((("--skip-bf16", exl3), ("--twin-only", twin))):
+        runs.append(tmp_path / f"run{i}.json")
+        runs[-1].write_text(json.dumps({"header": dict(head, command=f"e2e.py {cmd}"), "rows": [row]}))
+    assert e2e.merge(runs) == 0
+    merged = json.loads((out / "e2e-h200.json").read_text())
+    assert [r["model"] for r in merged["rows"]] == ["exl3-4bpw", "bf16"]
+    assert merged["header"]["command"] == "e2e.py --skip-bf16 ; e2e.py --twin-only"
+    table = (out / "e2e-h200.md").read_text()
+    assert "serving_c1_out_tok_s | serving_c1_itl_ms |" in table and "| bf16 |" in table
+    assert "3385.50" in (out / "e2e-profile-h200.md").read_text()
+    runs[1].write_text(json.dumps({"header": dict(head, shape="qwen3-30b-a3b (random trellis)"), "rows": [twin]}))
+    with pytest.raises(SystemExit, match="one shape"):
+        e2e.merge(runs)
+
+
 def test_e2e_prompts_stay_inside_the_vocabulary():
     from benchmarks.e2e import prompt_ids
     small = prompt_ids(64, 2048, 101, 7, vocab=8192)  # the spec-target shape
