@@ -97,10 +97,6 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("TWO_LAUNCH_MAX_M", "0", "choice", tuple(str(m) for m in range(17)), "the same layers with more rows than "
          "ONE_LAUNCH_MAX_M and at most this many run as two launches: x rotated once, then the GEMM that rotates its "
          "own output; 0: three launches above ONE_LAUNCH_MAX_M"),
-    Knob("FUSED_DECODER", False, "flag", help="Llama / Qwen2 decoder layers on our CUDA kernels at tp 1: the residual "
-         "add + RMSNorm and SiLU-and-mul folded into the rotations from 2 rows (10 launches around the attention "
-         "instead of 15) and into the one-launch linears' staging of x at the rows they serve (4 instead of 8); not "
-         "bit-identical (the norm's sum order; from 2 rows the MLP's fp16 roundings)"),
     Knob("ROTATION_FORM", "auto", "choice", ("auto", "warp", "octet"), "our CUDA kernels: the form of the Hadamard "
          "rotation launches, one warp or eight threads per 128-block (the same values); auto: eight threads from a "
          "measured size. For A/B measurements"),

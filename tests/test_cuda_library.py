@@ -105,42 +105,16 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert one_launch(warps=6) == -3  # 4 or 8 warps per block
     assert one_launch(m=16, k_tiles=256, xs_slice=256) == -3  # 131 KB x slice > 96 KB
     assert one_launch(k2=9) == -1  # 4.5 bits in MCG
-    lib.exl3_linear_decode_prologue.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i,
-                                                i, p, p, p, ctypes.c_float, i, p]
-
-    def prologue(kind=1, weight=16, m=1, k_tiles=16, k2=9):  # pointers never read: refused before any launch
-        return lib.exl3_linear_decode_prologue(16, 1, 16, 1, 16, 16, 1, 16, m, k_tiles, 8, 128, k2, 1, 16, 4, 1,
-                                               kind, None, None, weight, 1e-6, 0, None)
-
-    assert prologue(kind=0) == prologue(kind=3) == -3  # the plain launch is exl3_linear_decode
-    assert prologue(weight=None) == -3  # the norm needs its weight
-    assert prologue(m=17) == prologue(k_tiles=12) == -3
-    assert prologue(kind=2, weight=None) == -1  # act-mul needs no weight: past the checks (4.5 bits: unsupported)
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
 
-    def ring_rotating_out(m=64, ring=82, counters_len=2, out=16):  # pointers never read: refused before launching
-        return lib.exl3_group_linear(None, 0, None, 1, None, None, out, 0, m, 16, 16, 256, 8, 1, 0, ring, 8,
+    def ring_rotating_out(m=64, ring=82, counters_len=2):  # counters never read: refused before any launch
+        return lib.exl3_group_linear(None, 0, None, 1, None, None, None, 0, m, 16, 16, 256, 8, 1, 0, ring, 8,
                                      counters_len, None)
 
     assert ring_rotating_out(ring=0) == -3  # counters without the ring
     assert ring_rotating_out(counters_len=1) == -3  # 256 columns: two counters per 64-row block
     assert ring_rotating_out(m=65) == -3  # two 64-row blocks need four
     assert ring_rotating_out(ring=92) == -3  # the wgmma ring never rotates its own output
-    assert ring_rotating_out(out=None) == -3  # no output to rotate into
-    # a dense decoder layer's glue launches check their shapes before launching
-    lib.exl3_add_norm_rotate.argtypes = [p, p, p, p, p, i, ctypes.c_float, p, i, p, i, i, p]
-    lib.exl3_mlp_mid.argtypes = [p, p, p, i, i, p, i, p]
-
-    def norm(h=16, h_table=None, partial=None, num=3, rows=8, cols=4096):
-        return lib.exl3_add_norm_rotate(h, h_table, partial, None, 16, 1, 1e-6, 16, num, 16, rows, cols, None)
-
-    assert norm(h=None) == -3  # neither h nor partials
-    assert norm(partial=16) == -3  # both
-    assert norm(h=None, partial=16) == -3  # partials without their group's table
-    assert norm(cols=4000) == norm(rows=0) == norm(num=0) == -3
-    assert norm(cols=128 * 512) == -3  # a 256 KB row of fp32 x exceeds shared memory
-    assert lib.exl3_mlp_mid(16, 16, 16, 8, 14336 + 64, 16, 0, None) == -3  # I not whole 128-blocks
-    assert lib.exl3_mlp_mid(16, 16, 16, 0, 14336, 16, 0, None) == -3  # no rows
     # the rotated slab's glue launches check their shapes before launching
     lib.exl3_slab_rot_in.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
     lib.exl3_slab_mid.argtypes = [p, p, i, i, p, p, p, p, i, i, p]

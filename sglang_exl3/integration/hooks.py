@@ -267,28 +267,6 @@ def qwen3_5_text_weights(original, self, weights, *args, **kwargs):
     return (loaded | direct) if isinstance(loaded, set) else loaded
 
 
-def fused_decoder_plans(result, model, *args, **kwargs):
-    """AFTER `DefaultModelLoader.load_weights_and_postprocess` (SGLANG_EXL3_FUSED_DECODER): every eligible Llama / Qwen2
-    decoder layer gets its fused plan once its linears hold their final weights (layers/fused_decoder.py)."""
-    from sglang_exl3.layers.fused_decoder import attach_plans
-
-    if isinstance(getattr(model, "quant_config", None), Exl3Config):
-        attach_plans(model)
-    return result
-
-
-def fused_decoder_forward(original, self, positions, hidden_states, forward_batch, residual=None, *args, **kwargs):
-    """AROUND `LlamaDecoderLayer.forward` and `Qwen2DecoderLayer.forward` (SGLANG_EXL3_FUSED_DECODER): the fused
-    launches where the layer's plan takes the call, SGLang's forward otherwise."""
-    from sglang_exl3.layers.fused_decoder import route
-
-    plan = getattr(self, "exl3_fused", None)
-    forward = None if args or kwargs else route(plan, self, hidden_states, residual)
-    if forward is None:
-        return original(self, positions, hidden_states, forward_batch, residual, *args, **kwargs)
-    return forward(self, plan, positions, hidden_states, forward_batch, residual)
-
-
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -306,11 +284,6 @@ def register_hooks() -> None:
                           rank_sliced_quant_config, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
                           rank_sliced_weights, HookType.AROUND)
-    if knobs.get("FUSED_DECODER"):
-        HookRegistry.register("sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess",
-                              fused_decoder_plans, HookType.AFTER)
-        for layer in ("llama.LlamaDecoderLayer", "qwen2.Qwen2DecoderLayer"):  # fused_decoder.layer_classes
-            HookRegistry.register(f"sglang.srt.models.{layer}.forward", fused_decoder_forward, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_loader.utils.get_model_architecture",
                           mixtral_through_fused_moe, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.mixtral.MixtralMoE.__init__", moe_topk_layer_id, HookType.AROUND)

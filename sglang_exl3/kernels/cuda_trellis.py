@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 25
+ABI_VERSION = 23
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -235,10 +235,6 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
     lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
-    lib.exl3_linear_decode_prologue.argtypes = [p, i, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i,
-                                                i, p, p, p, ctypes.c_float, i, p]
-    lib.exl3_add_norm_rotate.argtypes = [p, p, p, p, p, i, ctypes.c_float, p, i, p, i, i, p]
-    lib.exl3_mlp_mid.argtypes = [p, p, p, i, i, p, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
     lib.exl3_sorted_plan.argtypes = [p, i, i, i, i, i, p, p, p, i, p]
@@ -1135,30 +1131,15 @@ def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: i
                          f"rotate its own output) and int32 on {x.device}, got ring {ring}, {counters.dtype} on "
                          f"{counters.device}")
     xh = torch.empty(num, m, k_tiles * 16, dtype=torch.float16, device=x.device)
+    partial = torch.empty(partial_elems * m, dtype=torch.float32, device=x.device)
     out = torch.empty(m, total_cols, dtype=x.dtype, device=x.device)
-    group_launch(xh, table, num, m, k_tiles, total_items, total_cols, partial_elems, k2, codebook, xs_slice, ring,
-                 x=x, out=out, counters=counters)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _check(load_library().exl3_group_linear(x.data_ptr(), bf16, table.data_ptr(), num, xh.data_ptr(),
+                                            partial.data_ptr(), out.data_ptr(), bf16, m, k_tiles, total_items,
+                                            total_cols, k2, codebook, xs_slice, ring,
+                                            0 if counters is None else counters.data_ptr(),
+                                            0 if counters is None else counters.numel(), _stream(x)), "group linear")
     return out
-
-
-def group_launch(xh: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
-                 total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0, ring: int = 0,
-                 x: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
-    """exl3_group_linear over scratch xh fp16 [num, m, K]; returns its fp32 partials. x: rotated into xh first (None:
-    xh holds the rotated inputs already); out [m, total_cols]: the output rotation written there (None: the partials
-    are the result, for kernels/fused_layer.py's launches that read them). group_run's checks are the caller's."""
-    partial = torch.empty(partial_elems * m, dtype=torch.float32, device=xh.device)
-
-    def ptr(t: torch.Tensor | None):
-        return None if t is None else t.data_ptr()
-
-    _check(load_library().exl3_group_linear(ptr(x), int(x is not None and x.dtype == torch.bfloat16), table.data_ptr(),
-                                            num, xh.data_ptr(), partial.data_ptr(), ptr(out),
-                                            int(out is not None and out.dtype == torch.bfloat16), m, k_tiles,
-                                            total_items, total_cols, k2, codebook, xs_slice, ring, ptr(counters),
-                                            0 if counters is None else counters.numel(), _stream(xh)), "group linear")
-    return partial
 
 
 MAX_FUSED_TOPK = 32  # moe_tail's shared rows: more experts per token run the MoE stages one by one
@@ -1384,20 +1365,6 @@ def one_launch_warps(m: int) -> int:
     return 8 if m >= ONE_LAUNCH_WIDE_FROM_M else 4
 
 
-def one_launch_scratch(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
-                       what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partials and the output [m, total_cols] of x's dtype of a one-launch linear over x's m rows, after
-    checking the rows and the group's counters."""
-    m = x.shape[0]
-    if m > ONE_LAUNCH_MAX_ROWS:
-        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
-    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
-        raise ValueError(f"{what}: counters must be int32 with at least {group.total_cols // 128} elements on "
-                         f"{x.device}, got {counters.dtype} {counters.numel()} on {counters.device}")
-    return (torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device),
-            torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device))
-
-
 def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, warps: int | None = None,
                       pdl: bool = True, rotate_first: bool = False) -> torch.Tensor:
     """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
@@ -1410,7 +1377,13 @@ def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
     if warps not in (4, 8):
         raise ValueError(f"one_launch_linear: warps must be 4 or 8, got {warps}")
     _check_act("x", x, (m, group.k_tiles * 16))
-    partial, out = one_launch_scratch(x, group, counters, "one_launch_linear")
+    if m > ONE_LAUNCH_MAX_ROWS:
+        raise ValueError(f"the one-launch EXL3 linear takes at most {ONE_LAUNCH_MAX_ROWS} rows, got {m}")
+    if counters.dtype != torch.int32 or counters.numel() < group.total_cols // 128 or counters.device != x.device:
+        raise ValueError(f"one_launch_linear: counters must be int32 with at least {group.total_cols // 128} elements "
+                         f"on {x.device}, got {counters.dtype} {counters.numel()} on {counters.device}")
+    partial = torch.empty(group.partial_per_row * m, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
     bf16 = int(x.dtype == torch.bfloat16)
     xh_all = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device) if rotate_first \
         else None

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU steps (docs/gpu.md), run on the warm machine; several steps may share one `run` call:
 #   bash tests/gpu/h200_steps.sh STEP [STEP ...]
-# kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only), the fused decoder's launches included;
-#                                         unpacks bundle part a1 when carried
+# kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only); unpacks bundle part a1 when carried
 # oneab     carry .kbuild                 benchmarks/one_launch_ab.py, torch only ($ONEAB_ARGS); then
 #                                         benchmarks/ring_ab.py when $RING_ARGS is set
 # rotab     carry .kbuild                 benchmarks/rotation_ab.py, torch only ($ROTAB_ARGS): the rotation launches' two
@@ -15,8 +14,7 @@
 #           [.exl3so]                     .exl3so/exllamav3_ext.so.xz when carried, else built in the background
 #                                         (EXL3_EXT_BUILD=0: no build, for calls that do not need exllamav3)
 # moetests                                MoE layer tests (routed, dense slab + fused_experts) vs the codec; every
-#                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin;
-#                                         the fused decoder layer (SGLANG_EXL3_FUSED_DECODER) vs its reference
+#                                         layer of the rank-sliced / Qwen3-MoE / Mixtral models on the GPU vs its twin
 # moebench  [carry .marlin]               benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
 #                                         (MOEBENCH_ARGS=--marlin adds SGLang's Marlin int4 MoE, prebuilt in .marlin)
 # kernbench carry .marlin                 benchmarks/kernels.py --marlin on $KERNBENCH_SHAPES (default 2: 4096x14336),
@@ -38,8 +36,6 @@
 #                                         on the carried corpus into /tmp/specmodels ($SPEC_TRAIN_ARGS)
 # spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
 # spec-bench                              benchmarks/spec_decode.py on /tmp/specmodels ($SPEC_BENCH_ARGS, e.g. --only ...)
-# fusedab                                 benchmarks/fused_layer_ab.py: a Llama layer's linears and glue in the fused
-#                                         decoder's launches against today's and bf16 ($FUSEDAB_ARGS; needs sglang)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
 #                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
@@ -102,8 +98,7 @@ run_step() {
     if [ -f .devbundle/a1/site1.tar.xz ]; then tar -xJf .devbundle/a1/site1.tar.xz -C /tmp/site; fi
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$work/gpu.txt"
     PYTHONPATH=$PWD timeout "${KERNELS_TIMEOUT:-400}" python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
-      tests/gpu/test_codec_cuda.py tests/gpu/test_encode_cuda.py tests/gpu/test_fused_layer_cuda.py -s 2>&1 |
-      tee "$work/pytest.txt" | tail -20
+      tests/gpu/test_codec_cuda.py tests/gpu/test_encode_cuda.py -s 2>&1 | tee "$work/pytest.txt" | tail -20
     ;;
   oneab)  # benchmarks/one_launch_ab.py: the one-launch linear at 4 / 8 warps, PDL on / off, against three launches
     PYTHONPATH=$PWD timeout "${ONEAB_TIMEOUT:-400}" python3 benchmarks/one_launch_ab.py ${ONEAB_ARGS:-} 2>&1 |
@@ -140,8 +135,7 @@ run_step() {
   moetests)
     site_env
     timeout "${MOETESTS_TIMEOUT:-540}" python3 -m pytest -q -rfE -p no:cacheprovider --durations=5 \
-      tests/gpu/test_moe_cuda.py tests/test_model_vs_twin.py tests/gpu/test_fused_decoder_cuda.py 2>&1 |
-      tee "$work/pytest-moe.txt" | tail -15
+      tests/gpu/test_moe_cuda.py tests/test_model_vs_twin.py 2>&1 | tee "$work/pytest-moe.txt" | tail -15
     ;;
   moebench)
     site_env
@@ -298,12 +292,6 @@ w(m('$arch', '/tmp/hf-$arch'), '/tmp/hybrid-$arch')" >"$work/write-$arch.txt" 2>
     site_env
     parity pw --ckpt tiny-llama-mul1-4bpw --extra="--cuda-graph-backend-prefill tc_piecewise"
     grep -ho "cuda_graph_backend_prefill='[^']*'" "$work"/pw/server-*-exl3.log | head -1
-    ;;
-  fusedab)  # benchmarks/fused_layer_ab.py: a decoder layer's linears and glue fused / unfused / bf16 (SGLang's kernels)
-    site_env
-    PYTHONPATH=$PWD:$PYTHONPATH timeout "${FUSEDAB_TIMEOUT:-300}" python3 benchmarks/fused_layer_ab.py ${FUSEDAB_ARGS:-} 2>&1 |
-      tee "$work/fusedab.txt" | grep -v "^{" | tail -12
-    cp benchmarks/results/fused-layer-ab* "$work/" 2>/dev/null
     ;;
   e2e)  # Llama-3-8B-shaped EXL3 ($E2E_BITS, 4 by default) against its bf16 twin
     site_env

@@ -1687,101 +1687,6 @@ __global__ void __launch_bounds__(2 * kMidItems * 32) moe_mid_kernel(
   had_in_values(a, dn[s].suh + c0, xh_dn + ((size_t)s * rows + r) * n + c0, lane);
 }
 
-// ---- a dense decoder layer's glue: residual add + RMSNorm + the next group's input rotation ------------------
-// One block per row r, one warp per 128 columns (up to 32 warps, each then taking every 32nd block). h[r] is the
-// model's row (T: fp16 or bf16), or the output rotation of a one-source group's partials (the o / down projection),
-// rounded to T as that group's own output launch writes it. x = h + residual in fp32, the residual written back as T,
-// rrms = rsqrt(mean(x^2) + eps), then for every source s of `dst`: xh_all[s, r, :] = had_in(T(x * rrms * w), suh_s)
-// with had_in's roundings. SGLang's fused_add_rmsnorm (flashinfer) forms its bf16 output from the same fp32 x, so
-// the values are the unfused norm-then-rotation's up to the order of the sum of squares.
-constexpr int kNormMaxWarps = 32;
-
-// The model's activation type (fp16 or bf16) to and from fp32, rounding to nearest
-__device__ __forceinline__ float act_float(half v) { return __half2float(v); }
-__device__ __forceinline__ float act_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T act_round(float v);
-template <> __device__ __forceinline__ half act_round<half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 act_round<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// x * rrms * w as the norm's output in the model's dtype A, then as the fp16 an input rotation reads (SGLang's
-// fused add + RMSNorm: its A output from the fp32 x)
-template <typename A>
-__device__ __forceinline__ half normed_half(float x, float rrms, A w) {
-  return __float2half_rn(act_float(act_round<A>(x * rrms * act_float(w))));
-}
-
-// The sum of every thread's v over the block, in every thread: warp butterflies, then the warps' sums in warp order
-// (deterministic). warp_sums: a float per warp in shared memory, free again on return.
-__device__ __forceinline__ float block_sum(float v, float* __restrict__ warp_sums) {
-  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if ((threadIdx.x & 31) == 0) warp_sums[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < warps; ++i) total += warp_sums[i];
-  __syncthreads();
-  return total;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kNormMaxWarps * 32) add_norm_rotate_kernel(
-    const T* __restrict__ h, const float* __restrict__ partial, const GroupSource* __restrict__ hsrc,
-    T* __restrict__ residual, const T* __restrict__ w, float eps, const GroupSource* __restrict__ dst, int num,
-    half* __restrict__ xh_all, int rows, int cols) {
-  extern __shared__ float row_x[];  // the row's x, fp32 [cols]
-  __shared__ float warp_sums[kNormMaxWarps];
-  const int r = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int blocks = cols / 128;
-  const size_t row = (size_t)r * cols;
-  float sq = 0.f;
-  for (int b = warp; b < blocks; b += warps) {
-    const int c = b * 128 + lane * 4;
-    float x[4];
-    if (partial != nullptr) {
-      half v[4];
-      had_out_values(partial + hsrc->partial_base * rows + row + b * 128, (size_t)rows * cols, hsrc->splits,
-                     hsrc->svh + b * 128, lane, v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = act_float(act_round<T>(__half2float(v[i])));
-    } else {
-      const uint2 hv = *reinterpret_cast<const uint2*>(h + row + c);
-      const T* hp = reinterpret_cast<const T*>(&hv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = act_float(hp[i]);
-    }
-    if (residual != nullptr) {
-      uint2 rv = *reinterpret_cast<const uint2*>(residual + row + c);
-      T* rp = reinterpret_cast<T*>(&rv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[i] += act_float(rp[i]);
-        rp[i] = act_round<T>(x[i]);
-      }
-      *reinterpret_cast<uint2*>(residual + row + c) = rv;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      row_x[c + i] = x[i];
-      sq += x[i] * x[i];
-    }
-  }
-  const float rrms = rsqrtf(block_sum(sq, warp_sums) / (float)cols + eps);
-  for (int b = warp; b < blocks; b += warps) {
-    const int c = b * 128 + lane * 4;
-    const uint2 wv = *reinterpret_cast<const uint2*>(w + c);
-    const T* wp = reinterpret_cast<const T*>(&wv);
-    half v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = normed_half(row_x[c + i], rrms, wp[i]);
-    for (int s = 0; s < num; ++s)
-      if (dst[s].n_tiles != 0) had_in_values(v, dst[s].suh + b * 128, xh_all + (size_t)s * rows * cols + row + b * 128,
-                                             lane);
-  }
-}
-
 // moe_tail: out[t, c] (fp32) = sum over j < top-k, in order, of w[p] * y_p[c], p = t * top-k + j, ids below 0
 // skipped, where y_p is pair p's row of the down projection rotated here from its partials: output rotation and
 // combine in one launch. One block per (token, 128 columns), its warps rotate the top-k rows in parallel, one warp
@@ -2002,16 +1907,16 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), x's four values at (row,
-// column) given by load(r, col, v), laid out as stage_x lays
+// Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), laid out as stage_x lays
 // them out; rows past m zero (MT > 2) or absent (the ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do).
 // One warp per (row, 128-block) task, kStageBatch tasks' loads in flight before the first is rotated: one at a time,
 // a warp with 16-64 tasks (8 rows, 4096-wide K slices) waited out as many L2 latencies in a row. Returns the lane's
 // ldmatrix address, as stage_x does.
 constexpr int kStageBatch = 8;
-template <int MT, typename Load>
-__device__ __forceinline__ uint32_t stage_x_rotated(Load load, int m, const half* __restrict__ suh, int kt0, int kt1,
-                                                    uint4* __restrict__ xs) {
+template <int MT, typename T>
+__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
+                                                         const half* __restrict__ suh, int kt0, int kt1,
+                                                         uint4* __restrict__ xs) {
   const int rows = xs_rows(m, MT), blocks = (kt1 - kt0) / 8, stride16 = (kt1 - kt0) * 2 + 1, tasks = rows * blocks;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int i0 = warp; i0 < tasks; i0 += warps * kStageBatch) {
@@ -2021,7 +1926,7 @@ __device__ __forceinline__ uint32_t stage_x_rotated(Load load, int m, const half
     for (int u = 0; u < kStageBatch; ++u) {
       const int i = i0 + u * warps, r = i / blocks, b = kt0 / 8 + i % blocks;
       if (i < tasks && r < m) {
-        load(r, b * 128 + lane * 4, v[u]);
+        load4_fp16(x + (size_t)r * K + b * 128 + lane * 4, v[u]);
         sv[u] = *reinterpret_cast<const uint2*>(suh + b * 128 + lane * 4);
       }
     }
@@ -2038,93 +1943,6 @@ __device__ __forceinline__ uint32_t stage_x_rotated(Load load, int m, const half
   const int r = (lane & 7) + (MT >= 2 ? (lane >> 4) * 8 : 0);
   const int row = MT > 2 || r < m ? r : 0;
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
-}
-
-// stage_x_rotated of x's rows [m, K] themselves
-template <int MT, typename T>
-__device__ __forceinline__ uint32_t stage_x_rotated_rows(const T* __restrict__ x, int m, int K,
-                                                         const half* __restrict__ suh, int kt0, int kt1,
-                                                         uint4* __restrict__ xs) {
-  auto load = [&](int r, int col, half (&v)[4]) { load4_fp16(x + (size_t)r * K + col, v); };
-  return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
-}
-
-// How the one-launch GEMM forms its x rows before rotating them (the fused decoder layer at one row, docs/kernels.md):
-// kXPlain: x itself; kXAddNorm: A(rmsnorm(x + residual) * weight), SGLang's fused add + RMSNorm (every block takes
-// each row's sum of squares over all of K; block 0 writes x + residual to residual_out); kXActMul: A(act(gate) * up)
-// from gate/up's output [m, 2K] (gate's K columns, then up's), SGLang's SiLU-and-mul (or GELU-tanh-and-mul)
-constexpr int kXPlain = 0, kXAddNorm = 1, kXActMul = 2;
-struct XPrologue {
-  int kind;
-  const void* residual;  // kXAddNorm: [m, K] of the activation type, or null (x alone)
-  void* residual_out;    // kXAddNorm: [m, K], x + residual (null: not written)
-  const void* weight;    // kXAddNorm: [K]
-  float eps;
-  int gelu;              // kXActMul
-};
-
-// row_scale[r] = rsqrt(mean((x + residual)[r]^2) + eps) for r < m, in shared memory; block 0 also writes
-// residual_out. Every thread of the block takes part (it ends with a barrier).
-template <typename A>
-__device__ __forceinline__ void x_row_scales(const A* __restrict__ x, const XPrologue& pro, int m, int K,
-                                             float* __restrict__ row_scale, float* __restrict__ warp_sums) {
-  const A* res = (const A*)pro.residual;
-  A* res_out = blockIdx.x == 0 ? (A*)pro.residual_out : nullptr;
-  for (int r = 0; r < m; ++r) {
-    float sq = 0.f;
-    for (int c = threadIdx.x * 4; c < K; c += blockDim.x * 4) {
-      const size_t at = (size_t)r * K + c;
-      const uint2 xv = *reinterpret_cast<const uint2*>(x + at);
-      const A* xp = reinterpret_cast<const A*>(&xv);
-      uint2 rv = res != nullptr ? *reinterpret_cast<const uint2*>(res + at) : make_uint2(0u, 0u);
-      A* rp = reinterpret_cast<A*>(&rv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float v = act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f);
-        sq += v * v;
-        rp[i] = act_round<A>(v);
-      }
-      if (res_out != nullptr) *reinterpret_cast<uint2*>(res_out + at) = rv;
-    }
-    const float total = block_sum(sq, warp_sums);
-    if (threadIdx.x == 0) row_scale[r] = rsqrtf(total / (float)K + pro.eps);
-  }
-  __syncthreads();  // row_scale written
-}
-
-// stage_x_rotated of the prologue's rows (kXAddNorm after x_row_scales, kXActMul)
-template <int MT, typename A>
-__device__ __forceinline__ uint32_t stage_x_prologue(const A* __restrict__ x, const XPrologue& pro,
-                                                     const float* __restrict__ row_scale, int m, int K,
-                                                     const half* __restrict__ suh, int kt0, int kt1,
-                                                     uint4* __restrict__ xs) {
-  if (pro.kind == kXActMul) {
-    auto load = [&](int r, int col, half (&v)[4]) {
-      const uint2 gv = *reinterpret_cast<const uint2*>(x + (size_t)r * 2 * K + col);
-      const uint2 uv = *reinterpret_cast<const uint2*>(x + (size_t)r * 2 * K + K + col);
-      const A* gp = reinterpret_cast<const A*>(&gv);
-      const A* up = reinterpret_cast<const A*>(&uv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        v[i] = __float2half_rn(act_float(act_round<A>(moe_act(act_float(gp[i]), pro.gelu) * act_float(up[i]))));
-    };
-    return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
-  }
-  const A* res = (const A*)pro.residual;
-  const A* w = (const A*)pro.weight;
-  auto load = [&](int r, int col, half (&v)[4]) {
-    const size_t at = (size_t)r * K + col;
-    const uint2 xv = *reinterpret_cast<const uint2*>(x + at);
-    const uint2 rv = res != nullptr ? *reinterpret_cast<const uint2*>(res + at) : make_uint2(0u, 0u);
-    const uint2 wv = *reinterpret_cast<const uint2*>(w + col);
-    const A* xp = reinterpret_cast<const A*>(&xv);
-    const A* rp = reinterpret_cast<const A*>(&rv);
-    const A* wp = reinterpret_cast<const A*>(&wv);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      v[i] = normed_half(act_float(xp[i]) + (res != nullptr ? act_float(rp[i]) : 0.f), row_scale[r], wp[i]);
-  };
-  return stage_x_rotated<MT>(load, m, suh, kt0, kt1, xs);
 }
 
 // One block's arrival at a counter that `total` blocks reach; true (in every thread) for the last one, which has
@@ -2324,14 +2142,13 @@ constexpr int kOneLaunchMaxRows = 16;  // one or two 8-row groups; from 16 rows 
 // the kernel that wrote x, and nothing is written before it. With xh_all (fp16 [num, m, K], had_in_group's output:
 // the two-launch form, opt-in: slower than three launches as a kernel, decisions.md) a block copies its slice of the
 // rotated x instead of rotating it, while the output rotation stays folded in.
-template <int K2, int CB, int MT, int KW, typename A, bool PRO>
+template <int K2, int CB, int MT, int KW, typename A>
 __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restrict__ x,
                                                                 const half* __restrict__ xh_all,
                                                                 const GroupSource* __restrict__ srcs, int num,
                                                                 float* __restrict__ partial,
                                                                 int* __restrict__ counters, A* __restrict__ out, int m,
-                                                                int k_tiles, int total_items, int total_cols,
-                                                                XPrologue pro) {
+                                                                int k_tiles, int total_items, int total_cols) {
   extern __shared__ uint4 xs[];
   __shared__ int flag;
   int s, local;
@@ -2341,14 +2158,8 @@ __global__ void __launch_bounds__(KW * 32) linear_decode_kernel(const A* __restr
   const A* xs_rows0 = x + (size_t)src.x_row * K;
   auto stage = [&](int kt0, int kt1) {
     pdl_wait();
-    if constexpr (PRO) {  // its own instantiation: the plain kernel keeps its registers (no spills)
-      __shared__ float row_scale[kOneLaunchMaxRows], warp_sums[KW];
-      if (pro.kind == kXAddNorm) x_row_scales(x, pro, m, K, row_scale, warp_sums);  // the K slice is staged once
-      return stage_x_prologue<MT>(x, pro, row_scale, m, K, src.suh, kt0, kt1, xs);
-    } else {
-      if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
-      return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
-    }
+    if (xh_all != nullptr) return stage_x<MT>(xh_all + (size_t)s * m * K, m, K, kt0, kt1, xs);
+    return stage_x_rotated_rows<MT>(xs_rows0, m, K, src.suh, kt0, kt1, xs);
   };
   float* part = partial + src.partial_base * m;
   gemm_warp<K2, CB, MT, kDepth, true>(nullptr, src.tiles, part, m, k_tiles, src.n_tiles, src.splits, local, xs,
@@ -2551,7 +2362,7 @@ int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pd
 template <int K2, int CB>
 int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const GroupSource* srcs, int num,
                                  float* partial, int* counters, void* out, int m, int kt, int total_items,
-                                 int total_cols, int xs_slice, int warps, int pdl, XPrologue pro, cudaStream_t stream) {
+                                 int total_cols, int xs_slice, int warps, int pdl, cudaStream_t stream) {
   if (m > kOneLaunchMaxRows || (warps != 4 && warps != 8) || total_items % warps) return -3;
   const int smem = xs_smem_bytes(m, xs_slice, 1);
   if (smem > kMaxXsSmem) return -3;
@@ -2561,14 +2372,10 @@ int launch_variant_linear_decode(const void* x, int bf16, half* xh_all, const Gr
   }
   auto launch = [&](auto* op, auto mt, auto kw) {
     using A = std::remove_pointer_t<decltype(op)>;
-    auto go = [&](auto kernel) {
-      allow_smem(kernel, smem);
-      return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
-                       num, partial, counters, op, m, kt, total_items, total_cols, pro);
-    };
-    constexpr int MT = decltype(mt)::value, KW = decltype(kw)::value;
-    return pro.kind == kXPlain ? go(linear_decode_kernel<K2, CB, MT, KW, A, false>)
-                               : go(linear_decode_kernel<K2, CB, MT, KW, A, true>);
+    auto kernel = linear_decode_kernel<K2, CB, decltype(mt)::value, decltype(kw)::value, A>;
+    allow_smem(kernel, smem);
+    return launch_ex(kernel, dim3(total_items / warps), warps, smem, pdl != 0, stream, (const A*)x, xh_all, srcs,
+                     num, partial, counters, op, m, kt, total_items, total_cols);
   };
   auto with_warps = [&](auto* op, auto mt) {
     return warps == 8 ? launch(op, mt, std::integral_constant<int, 8>{})
@@ -2757,23 +2564,21 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
 // longest slice of any source); ring_mode (exl3_gemm_partial_ring's; any m; every source's N a multiple of 16 *
 // its warps): x through the ring instead. The partials are the same bit for bit. counters (ring only; int32, one per
 // 64-row block and 128 output columns, at least counters_len; zero, and left zero): the ring launch rotates the
-// output itself, so two launches in all; nullptr: the separate output rotation. x null: xh_all already holds the
-// rotated inputs (exl3_add_norm_rotate, exl3_mlp_mid), no input rotation; out null: no output rotation, the caller
-// reads the partials (exl3_add_norm_rotate, exl3_mlp_mid), one launch in all.
+// output itself, so two launches in all; nullptr: the separate output rotation.
 int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, void* xh_all, void* partial, void* out,
                       int y_bf16, int m, int k_tiles, int total_items, int total_cols, int k2, int codebook,
                       int xs_slice, int ring_mode, void* counters, long long counters_len, void* stream) {
   if (m <= 0 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128) return -3;
   const bool ring = ring_mode_ok(ring_mode), wg = wg_mode_ok(ring_mode);
   // the ring's output rotation in its own launch needs a counter per 64-row block and 128 columns
-  if (counters != nullptr && (out == nullptr || !ring ||
-                              counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) * (total_cols / 128)))
+  if (counters != nullptr && (!ring || counters_len < (long long)((m + kRingMaxRows - 1) / kRingMaxRows) *
+                                                          (total_cols / 128)))
     return -3;
   auto s = (cudaStream_t)stream;
   auto srcs = (const GroupSource*)table;
   const int cols = k_tiles * 16, out_items = m * (total_cols / 128);
-  if (x != nullptr && x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
-  else if (x != nullptr) launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
+  if (x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, cols, s);
+  else launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, cols, s);
   const half* xh = (const half*)xh_all;
   float* p = (float*)partial;
   int* c = (int*)counters;
@@ -2789,7 +2594,7 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
                                                                  s))
     EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group, (xh, srcs, num, p, m, k_tiles, total_items, s))
   }();
-  if (code != 0 || c != nullptr || out == nullptr) return code;  // out null: the caller consumes the partials
+  if (code != 0 || c != nullptr) return code;
   auto rotate_out = [&](auto* o) {
     if (use_octet(out_items, true))
       had_out_group_octet_kernel<<<octet_grid(out_items), 256, 0, s>>>(p, srcs, num, o, m, total_cols);
@@ -2819,28 +2624,8 @@ int exl3_linear_decode(const void* x, int bf16, void* xh_all, const void* table,
   auto srcs = (const GroupSource*)table;
   auto p = (float*)partial;
   auto c = (int*)counters;
-  const XPrologue plain = {kXPlain, nullptr, nullptr, nullptr, 0.f, 0};
   EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, (half*)xh_all, srcs, num, p, c, out, m, k_tiles,
-                                                             total_items, total_cols, xs_slice, warps, pdl, plain, s))
-}
-
-// exl3_linear_decode with x formed by a prologue (XPrologue; the fused decoder layer at one row): kind 1, x + residual
-// normalised (residual, residual_out: [m, K] of x's dtype or null; weight: [K]); kind 2, act(gate) * up from x =
-// gate/up's output [m, 2K]. One launch; no two-launch form.
-int exl3_linear_decode_prologue(const void* x, int bf16, const void* table, int num, void* partial, void* counters,
-                                long long counters_len, void* out, int m, int k_tiles, int total_items,
-                                int total_cols, int k2, int codebook, int xs_slice, int warps, int pdl, int kind,
-                                const void* residual, void* residual_out, const void* weight, float eps, int gelu,
-                                void* stream) {
-  if (m <= 0 || m > kOneLaunchMaxRows || num <= 0 || k_tiles <= 0 || k_tiles % 8 || total_items <= 0 ||
-      total_cols <= 0 || total_cols % 128 || xs_slice <= 0 || xs_slice % 8 || counters_len < total_cols / 128 ||
-      (kind != kXAddNorm && kind != kXActMul) || (kind == kXAddNorm && weight == nullptr))
-    return -3;
-  const XPrologue pro = {kind, residual, residual_out, weight, eps, gelu};
-  EXL3_DISPATCH(k2, codebook, launch_variant_linear_decode, (x, bf16, nullptr, (const GroupSource*)table, num,
-                                                             (float*)partial, (int*)counters, out, m, k_tiles,
-                                                             total_items, total_cols, xs_slice, warps, pdl, pro,
-                                                             (cudaStream_t)stream))
+                                                             total_items, total_cols, xs_slice, warps, pdl, s))
 }
 
 // A whole MoE forward over prepared tables in five launches (per-pair or expert-sorted sources, see the fused MoE
@@ -3093,48 +2878,6 @@ int exl3_slab_tail(const void* y, const void* ids, int ids_bytes, const void* w,
   return (int)cudaGetLastError();
 }
 
-// A dense decoder layer's norm (add_norm_rotate_kernel): residual add + RMSNorm + the input rotation of every source
-// of `dst_table` (num sources, GroupSource layout) in one launch. The activations h, residual and w are bf16, or
-// fp16 (bf16 = 0). h: [rows, cols]; or null, with h_table (a one-source group) and its fp32 partials from
-// exl3_group_linear with out null: h is then that group's output, rotated here. residual: [rows, cols], x + residual
-// written back (null: none, x = h). w: [cols].
-// xh_all: fp16 [num, rows, cols], what exl3_group_linear with x null reads.
-int exl3_add_norm_rotate(const void* h, const void* h_table, const void* partial, void* residual, const void* w,
-                         int bf16, float eps, const void* dst_table, int num, void* xh_all, int rows, int cols,
-                         void* stream) {
-  const size_t smem = (size_t)cols * sizeof(float);
-  if (rows <= 0 || cols <= 0 || cols % 128 || num <= 0 || (h == nullptr) == (partial == nullptr) ||
-      (partial != nullptr && h_table == nullptr) || smem > (200u << 10))
-    return -3;
-  auto s = (cudaStream_t)stream;
-  const int warps = cols / 128 < kNormMaxWarps ? cols / 128 : kNormMaxWarps;
-  auto launch = [&](auto* act) {
-    using T = std::remove_pointer_t<decltype(act)>;
-    // not a stream operation, so CUDA-graph capture allows it (see launch_linear_decode)
-    if (smem > (48u << 10))
-      cudaFuncSetAttribute(add_norm_rotate_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    add_norm_rotate_kernel<T><<<rows, warps * 32, smem, s>>>(
-        (const T*)h, (const float*)partial, (const GroupSource*)h_table, (T*)residual, (const T*)w, eps,
-        (const GroupSource*)dst_table, num, (half*)xh_all, rows, cols);
-  };
-  if (bf16) launch((__nv_bfloat16*)nullptr);
-  else launch((half*)nullptr);
-  return (int)cudaGetLastError();
-}
-
-// A dense MLP's middle (moe_mid_kernel over one source): gu_table's gate and up sources (a two-source group run by
-// exl3_group_linear with out null, fp32 partials) -> xh_dn fp16 [rows, n] = had_in(act(gate) * up, down's suh),
-// with the fp16 roundings of the unfused MoE path. dn_table: the down projection's one-source group.
-int exl3_mlp_mid(const void* partial, const void* gu_table, const void* dn_table, int rows, int n, void* xh_dn,
-                 int gelu, void* stream) {
-  if (rows <= 0 || n <= 0 || n % 128) return -3;
-  const long long items = (long long)rows * (n / 128);
-  moe_mid_kernel<<<(unsigned)((items + kMidItems - 1) / kMidItems), 2 * kMidItems * 32, 0, (cudaStream_t)stream>>>(
-      (const float*)partial, (const GroupSource*)gu_table, (const GroupSource*)dn_table, 1, rows, n, (half*)xh_dn,
-      gelu);
-  return (int)cudaGetLastError();
-}
-
 // Host-side reading of a group table as the kernels read it (tests on machines without a GPU: the Python side's
 // packing and the source lookup). table in host memory; out[0..6] = source of `item`, source of `col`, and that
 // item's source's n_tiles, splits, x_row, item_begin, partial_base.
@@ -3184,7 +2927,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 25; }
+int exl3_abi_version(void) { return 23; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
