@@ -251,6 +251,7 @@ w('/tmp/q35/writer', 'qwen3_5', mtp_bits=4); w('/tmp/q35/writer-moe', 'qwen3_5_m
       timeout 300 python3 -m exllamav3.conversion.convert_model -i "/tmp/specmodels/$m" -o "/tmp/specmodels/$m-exl3" \
         -w "/tmp/specwork-$m" -b 4.0 -hb 6 -cb mul1 -cr 64 -cc 1024 >"$work/convert-$m.txt" 2>&1
       echo "convert $m: exit $? $(du -sh "/tmp/specmodels/$m-exl3" | cut -f1)"
+      python3 -m sglang_exl3 inspect "/tmp/specmodels/$m-exl3" >"$work/inspect-$m.txt" 2>&1 && sed -n 3,6p "$work/inspect-$m.txt"
     done
     rm -rf /tmp/specmodels/target-bf16
     python3 -m sglang_exl3 dequantize /tmp/specmodels/target-exl3 /tmp/specmodels/target-bf16 --dtype bfloat16 \
