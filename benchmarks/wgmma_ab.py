@@ -103,7 +103,8 @@ def at_splits(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torc
 def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]:
     """A same-input group as a layer runs it with the wgmma ring off and on (the policy in both), and on the wgmma
     ring at its load-time splits, a quarter and an eighth of them (SPLIT_VARIANTS, where the policy takes the wgmma
-    ring: 33-64 rows) against the policy's half."""
+    ring: 33-64 rows) against the policy's half, and the policy's half in the cluster form (`wg_cluster_us`: the
+    splits summed in a thread-block cluster, no partials; SGLANG_EXL3_WG_CLUSTER)."""
     k, widths, copies, sets, gen = group_sets(name, bits, cb)
     variants = {d: [at_splits(*st[:3], cb, d) for st in sets] for d in SPLIT_VARIANTS}
     rows = []
@@ -128,6 +129,8 @@ def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]
         if sets[0][3].runs_fused(m) and sets[0][3].ring_mode(m) in ck.WG_MODES:
             for d, column in SPLIT_VARIANTS.items():
                 row[column] = graph_us(lambda i, x=x, d=d: ck.group_linear(x, variants[d][i % copies]), copies)
+            if sets[0][3].wg_cluster:
+                row["wg_cluster_us"] = graph_us(lambda i, x=x: ck.group_run_cluster(x, sets[i % copies][3]), copies)
         row["wg_vs_policy"] = round(row["policy_us"] / row["wg_policy_us"], 3)
         row["wg_time_vs_bf16"] = round(row["wg_policy_us"] / row["bf16_us"], 3)
         rows.append(row)
@@ -156,7 +159,7 @@ def main() -> int:
     if group_rows:
         write_results("wgmma-ab-groups", header(sys.argv), group_rows,
                       ["group", "k", "n", "m", "bits", "codebook", "bf16_us", "policy_us", "wg_policy_us",
-                       *SPLIT_VARIANTS.values(), "wg_vs_policy", "wg_time_vs_bf16"])
+                       *SPLIT_VARIANTS.values(), "wg_cluster_us", "wg_vs_policy", "wg_time_vs_bf16"])
     return 0
 
 

@@ -115,6 +115,15 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert ring_rotating_out(counters_len=1) == -3  # 256 columns: two counters per 64-row block
     assert ring_rotating_out(m=65) == -3  # two 64-row blocks need four
     assert ring_rotating_out(ring=92) == -3  # the wgmma ring never rotates its own output
+    lib.exl3_group_linear_cluster.argtypes = [p, i, p, i, p, p, i, i, i, i, i, i, i, i, p]
+
+    def cluster(m=64, total_items=256, total_cols=1024, splits=8):  # pointers never read: refused before launching
+        return lib.exl3_group_linear_cluster(None, 0, None, 1, None, None, 0, m, 16, total_items, total_cols, splits, 8,
+                                             1, None)
+
+    assert cluster(m=65) == cluster(splits=9) == cluster(splits=0) == -3  # 64 rows; a portable cluster holds 8
+    assert cluster(total_items=200) == cluster(total_cols=1000) == -3  # whole clusters of 8-warp blocks; 128 columns
+    assert cluster() == -1  # past the checks: no wgmma (the probe has not run here)
     # the rotated slab's glue launches check their shapes before launching
     lib.exl3_slab_rot_in.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
     lib.exl3_slab_mid.argtypes = [p, p, i, i, p, p, p, p, i, i, p]
@@ -373,7 +382,7 @@ def test_ring_mode_takes_the_wgmma_ring_where_it_is_ready(monkeypatch):
         monkeypatch.delenv("SGLANG_EXL3_WGMMA")
         ck._wgmma_knob.cache_clear()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    group = ck.Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 16, 8, 128, 0, 8, 16, 0, 0], 1)
+    group = ck.Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 16, 8, 128, 0, 8, 16, 0, 0, 0], 1)
     assert [group.runs_fused(m) for m in (16, 64, 65, 256)] == [True, True, False, False]  # then source by source
     with ck.pinned_wgmma(False):
         assert [group.runs_fused(m) for m in (65, 128, 129)] == [True, True, False]

@@ -7,6 +7,8 @@ import torch
 
 from sglang_exl3.kernels.cuda_trellis import decode_splits
 
+HEAD_META = [1, 256, 8016, 128256, 128256, 8, 256, 0, 0, 0]  # Exl3Group.meta: a 4096 x 128256 lm_head, one split
+
 CPU = torch.device("cpu")  # 132 SMs assumed off the GPU (the H200's count)
 
 
@@ -67,11 +69,10 @@ def test_one_launch_serves_rows_whose_x_slice_fits():
     above the rows it is made for."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
 
-    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 8016, 128256, 128256, 8,
-                                                                                     256, 0, 0], 1), torch.zeros(1002))
+    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), HEAD_META, 1), torch.zeros(1002))
     assert head.serves(11) and not head.serves(12)
     small = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64),
-                                              [1, 256, 64, 1024, 8192, 8, 32, 0, 0], 1), torch.zeros(8))
+                                              [1, 256, 64, 1024, 8192, 8, 32, 0, 0, 0], 1), torch.zeros(8))
     assert small.serves(16) and not small.serves(17)
     one_row = Exl3OneLaunch(small.group, small.counters, max_m=1)  # SGLANG_EXL3_ONE_LAUNCH_MAX_M's default
     assert one_row.serves(1) and not one_row.serves(2)
@@ -81,13 +82,12 @@ def test_two_launch_form_serves_the_rows_above_one_launch():
     """SGLANG_EXL3_TWO_LAUNCH_MAX_M: rows past max_m and up to it rotate x first; never past 16 nor past the x slice."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
 
-    group = Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 64, 1024, 8192, 8, 32, 0, 0], 1)
+    group = Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 64, 1024, 8192, 8, 32, 0, 0, 0], 1)
     both = Exl3OneLaunch(group, torch.zeros(8), max_m=1, two_launch_max_m=8)
     assert [m for m in range(1, 18) if both.serves(m)] == list(range(1, 9))
     assert not both.rotates_first(1) and all(both.rotates_first(m) for m in range(2, 9))
     only_two = Exl3OneLaunch(group, torch.zeros(8), max_m=0, two_launch_max_m=32)
     assert only_two.serves(16) and not only_two.serves(17) and only_two.rotates_first(1)
-    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 8016, 128256, 128256, 8,
-                                                                                     256, 0, 0], 1), torch.zeros(1002),
+    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), HEAD_META, 1), torch.zeros(1002),
                          max_m=1, two_launch_max_m=16)
     assert head.serves(11) and not head.serves(12)

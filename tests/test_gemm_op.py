@@ -100,7 +100,7 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request)
     table = torch.zeros(3, 8, dtype=torch.int64)
 
     def call(m, max_slice=16):  # meta: sources, K/16, items, columns, partials per row, words per tile, max slice
-        meta = [3, 16, 0, 640, 0, 6, max_slice, 0, 0]
+        meta = [3, 16, 0, 640, 0, 6, max_slice, 0, 0, 0]
         return torch.ops.exl3.gemm_group(torch.randn(m, 256).half(), tiles, suh, svh, table, meta, 1)
 
     for m in (1, 15, 16, 32, 33, 128, 129):
@@ -180,8 +180,35 @@ def test_wgmma_ring_runs_a_group_at_half_its_splits(monkeypatch):
     for ring in (91, 81, 0):
         ck.group_linear(x, group, ring=ring)
     assert launched == [(wg_rows, wg_items, wg_base, 91), (rows, items, base, 81), (rows, items, base, 0)]
-    plain = ck.Exl3Group.from_meta(group.table[:2], group.meta[:7] + [0, 0], group.codebook)
+    plain = ck.Exl3Group.from_meta(group.table[:2], group.meta[:7] + [0, 0, 0], group.codebook)
     assert plain.launch_rows(91)[1:] == (items, base)
+
+
+def test_cluster_form_only_where_asked_and_possible(monkeypatch):
+    """SGLANG_EXL3_WG_CLUSTER: a group on the wgmma ring whose wgmma rows share one split count of at most 8 runs
+    group_run_cluster (splits summed in a thread-block cluster, no partials); off, on another ring, or for a group
+    without such rows, the partials path. group_run_cluster refuses what it cannot run before touching the GPU."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    rows, items, _, base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
+    group = ck.Exl3Group(table=torch.tensor(rows + rows), num=2, k_tiles=256, total_items=items, total_cols=5120,
+                         partial_per_row=base, k2=8, codebook=int(Codebook.MCG), wg_items=items,
+                         wg_partial_per_row=base, wg_cluster=8)
+    assert ck.Exl3Group.from_meta(group.table, group.meta, group.codebook).wg_cluster == 8
+    ran = []
+    monkeypatch.setattr(ck, "group_run_cluster", lambda x, g: (ran.append("cluster"), torch.zeros(1))[1])
+    monkeypatch.setattr(ck, "group_run", lambda *a: (ran.append("partials"), torch.zeros(1))[1])
+    x = torch.zeros(48, 4096).half()
+    for knob, ring, g in ((False, 91, group), (True, 91, group), (True, 81, group),
+                          (True, 91, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook))):
+        monkeypatch.setattr(ck, "_cluster_knob", lambda knob=knob: knob)
+        ck.group_linear(x, g, ring=ring)
+    assert ran == ["partials", "cluster", "partials", "partials"]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="at most 8"):
+        ck.group_run_cluster(x, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook))
+    with pytest.raises(ValueError, match="65 rows"):
+        ck.group_run_cluster(torch.zeros(65, 4096).half(), group)
 
 
 def test_group_only_for_sources_that_can_share_launches():

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 23
+ABI_VERSION = 26
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -234,6 +234,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_set_octet_min_items.restype = ctypes.c_longlong
     lib.exl3_set_octet_min_items.argtypes = [ctypes.c_longlong]
     lib.exl3_group_linear.argtypes = [p, i, p, i, p, p, p, i, i, i, i, i, i, i, i, i, p, ctypes.c_longlong, p]
+    lib.exl3_group_linear_cluster.argtypes = [p, i, p, i, p, p, i, i, i, i, i, i, i, i, p]
     lib.exl3_linear_decode.argtypes = [p, i, p, p, i, p, p, ctypes.c_longlong, p, i, i, i, i, i, i, i, i, i, p]
     lib.exl3_routed_tables.argtypes = [p, i, p, i, i, p, i, p]
     lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
@@ -694,19 +695,20 @@ class Exl3Group:
     ring_counters: torch.Tensor | None = None
     wg_items: int = 0  # the wgmma ring's rows (table[num:]): work items and partials per row; 0: none
     wg_partial_per_row: int = 0
+    wg_cluster: int = 0  # those rows' split count where every source has it and a cluster holds it (<= 8), else 0
 
     @property
     def meta(self) -> list[int]:
         """The ints a registered op needs to rebuild this group around its table (see from_meta)."""
         return [self.num, self.k_tiles, self.total_items, self.total_cols, self.partial_per_row, self.k2,
-                self.max_slice, self.wg_items, self.wg_partial_per_row]
+                self.max_slice, self.wg_items, self.wg_partial_per_row, self.wg_cluster]
 
     @classmethod
     def from_meta(cls, table: torch.Tensor, meta: list[int], codebook: int) -> Exl3Group:
-        num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice, wg_items, wg_partial = meta
+        num, k_tiles, total_items, total_cols, partial_per_row, k2, max_slice, wg_items, wg_partial, wg_cluster = meta
         return cls(table=table, num=num, k_tiles=k_tiles, total_items=total_items, total_cols=total_cols,
                    partial_per_row=partial_per_row, k2=k2, codebook=int(codebook), max_slice=max_slice,
-                   wg_items=wg_items, wg_partial_per_row=wg_partial)
+                   wg_items=wg_items, wg_partial_per_row=wg_partial, wg_cluster=wg_cluster)
 
     def launch_rows(self, ring: int) -> tuple[torch.Tensor, int, int]:
         """The table rows, work items and partials per row that a launch on `ring` takes: the wgmma ring's own rows
@@ -781,7 +783,7 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)),
                      max_slice=max(-(-kt // src[4]) for src in sources), ring_counters=counters, wg_items=wg_item,
-                     wg_partial_per_row=wg_base)
+                     wg_partial_per_row=wg_base, wg_cluster=wg[0] if wg and len(set(wg)) == 1 and wg[0] <= 8 else 0)
 
 
 def wg_splits(n_tiles: list[int], splits: list[int], device: torch.device) -> list[int] | None:
@@ -1115,6 +1117,32 @@ def slab_tail(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down_sv
     return out
 
 
+@cache
+def _cluster_knob() -> bool:
+    return bool(knobs.get("WG_CLUSTER"))
+
+
+def group_run_cluster(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
+    """[m, total_cols] of x's dtype: the group on the wgmma ring from its wgmma rows in two launches, each column
+    block's K splits summed inside a thread-block cluster and its output rotated in the same launch (no fp32 partials
+    in global memory); bit-identical to group_run over those rows with mode 91. m <= 64, and the group's wgmma rows
+    share one split count of at most 8 (Exl3Group.wg_cluster)."""
+    m = x.shape[0]
+    if not group.wg_cluster or m > FUSED_MAX_M:
+        raise ValueError(f"group_run_cluster: needs a group whose wgmma rows share one split count of at most 8 and "
+                         f"at most {FUSED_MAX_M} rows, got wg_cluster={group.wg_cluster} and {m} rows")
+    _check_act("x", x, (m, group.k_tiles * 16))
+    table, items, _ = group.launch_rows(WG_MODES[0])
+    xh = torch.empty(group.num, m, group.k_tiles * 16, dtype=torch.float16, device=x.device)
+    out = torch.empty(m, group.total_cols, dtype=x.dtype, device=x.device)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _check(load_library().exl3_group_linear_cluster(x.data_ptr(), bf16, table.data_ptr(), group.num, xh.data_ptr(),
+                                                    out.data_ptr(), bf16, m, group.k_tiles, items, group.total_cols,
+                                                    group.wg_cluster, group.k2, group.codebook, _stream(x)),
+           "group linear (cluster)")
+    return out
+
+
 def group_run(x: torch.Tensor, table: torch.Tensor, num: int, m: int, k_tiles: int, total_items: int,
               total_cols: int, partial_elems: int, k2: int, codebook: int, xs_slice: int = 0,
               ring: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -1311,6 +1339,8 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
+    if ring in WG_MODES and group.wg_cluster and m <= FUSED_MAX_M and _cluster_knob():
+        return group_run_cluster(x, group)
     table, items, partial_per_row = group.launch_rows(ring)
     return group_run(x, table, group.num, m, group.k_tiles, items, group.total_cols, partial_per_row, group.k2,
                      group.codebook, 0 if ring else group.xs_slice(m), ring, counters)

@@ -428,6 +428,37 @@ def test_group_on_the_wgmma_ring_runs_its_half_split_rows():
                            run(x[:16], False, ring=group.ring_mode(16)).view(torch.int16))
 
 
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (14336, 14336)], ids=["qkv-8-splits", "gate_up-3-splits"])
+def test_group_cluster_form_is_bit_identical_to_its_partials(widths):
+    """The cluster form (each column block's K splits summed through distributed shared memory and rotated in the
+    launch) writes what the wgmma ring's partials and the separate output rotation write, bit for bit, over the same
+    table rows, fp16 and bf16, 33-64 rows (and a row count that does not divide by the splits); in a CUDA graph too."""
+    _needs_wgmma()
+    k, cb = 4096, Codebook.MCG
+    srcs = [_case(k, n, 4, 1, seed=110 + i) for i, n in enumerate(widths)]
+    group = ck.make_group([ck.prepare(t.cuda()) for t, _, _, _ in srcs], [s.cuda() for _, s, _, _ in srcs],
+                          [v.cuda() for _, _, v, _ in srcs], cb)
+    assert group.wg_cluster == (8 if len(widths) == 3 else 3)
+    table, items, part = group.launch_rows(91)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(11)).half().cuda()
+    for m in (33, 50, 64):
+        for dtype in (torch.float16, torch.bfloat16):
+            xm = x[:m].to(dtype).contiguous()
+            want = ck.group_run(xm, table, group.num, m, group.k_tiles, items, group.total_cols, part, group.k2,
+                                group.codebook, ring=91)
+            got = ck.group_run_cluster(xm, group)
+            assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16)), f"m={m} {dtype}"
+    static_x = torch.zeros(48, k, dtype=torch.bfloat16, device="cuda")
+    ck.group_run_cluster(static_x, group)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ck.group_run_cluster(static_x, group)
+    static_x.copy_(x[:48].bfloat16())
+    graph.replay()
+    assert torch.equal(static_y.view(torch.int16), ck.group_run_cluster(x[:48].bfloat16(), group).view(torch.int16))
+
+
 @pytest.mark.parametrize("cb, bits", [(Codebook.MCG, 4), (Codebook.MUL1, 3), (Codebook.INST3, 2)])
 def test_group_with_x_ring_is_bit_identical(cb, bits):
     """The group GEMM with x through the shared-memory ring writes what global loads write, bit for bit, for

@@ -15,6 +15,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -833,8 +834,9 @@ struct WgFill {
 };
 
 // One warp's work item (as ring_warp's) for rows [NR blockIdx.y, +NR) of x; the block's 8 warps (two warpgroups)
-// share the item's K split (n_tiles % 8 == 0) and the x ring.
-template <int K2, int CB, int NR, int CG>
+// share the item's K split (n_tiles % 8 == 0) and the x ring. kStage: the accumulators go to shared memory over the
+// ring instead of to the partials, as [NR rows][128 columns] fp32 of the block's 8 strips (the cluster form).
+template <int K2, int CB, int NR, int CG, bool kStage = false>
 __device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint32_t* __restrict__ trellis,
                                         float* __restrict__ partial, int m, int k_tiles, int n_tiles, int splits,
                                         int item, uint4* __restrict__ ring) {
@@ -914,7 +916,14 @@ __device__ __forceinline__ void wg_warp(const half* __restrict__ xh, const uint3
   }
   wgmma_wait<0>();
   fence_acc<NR / 8>(acc);
-  store_acc<NR / 8>(partial + ((size_t)split * m + row0) * N + tn * 16, acc, mb, N, lane);
+  if constexpr (kStage) {
+    static_assert(NR * 128 * 4 <= wg_smem(NR, CG) - 1024, "the staged accumulators must fit the ring");
+    cp_async_wait<0>();
+    __syncthreads();  // every warp's wgmmas have read their last chunk of the ring
+    store_acc<NR / 8>(reinterpret_cast<float*>(ring) + (tn % 8) * 16, acc, mb, 128, lane);
+  } else {
+    store_acc<NR / 8>(partial + ((size_t)split * m + row0) * N + tn * 16, acc, mb, N, lane);
+  }
 #else
   __trap();  // the launcher checks exl3_wgmma_available() first
 #endif
@@ -1301,6 +1310,16 @@ __device__ __forceinline__ float load_acc(const T* p) {
   else return (float)*p;
 }
 
+// fp16(fp16(r_scale * H(v)) * svh) of one 128-block whose split sum v the lane holds (4 consecutive elements)
+__device__ __forceinline__ void had_out_finish(float (&v)[4], const half* __restrict__ svh, int lane, half (&op)[4]) {
+  butterfly128(v, lane);
+  const uint2 sv = *reinterpret_cast<const uint2*>(svh + lane * 4);
+  const half* sp = reinterpret_cast<const half*>(&sv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    op[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sp[i]));
+}
+
 template <typename T, bool kCG = false>
 __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t split_stride, int splits,
                                                const half* __restrict__ svh, int lane, half (&op)[4]) {
@@ -1331,12 +1350,7 @@ __device__ __forceinline__ void had_out_values(const T* __restrict__ acc, size_t
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] += t[j][i];
   }
-  butterfly128(v, lane);
-  const uint2 sv = *reinterpret_cast<const uint2*>(svh + lane * 4);
-  const half* sp = reinterpret_cast<const half*>(&sv);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    op[i] = __float2half_rn(__half2float(__float2half_rn(v[i] * kRScale)) * __half2float(sp[i]));
+  had_out_finish(v, svh, lane, op);
 }
 
 // 4 consecutive fp16 outputs stored as fp16, or rounded to bf16: exactly what casting the fp16 output afterwards does
@@ -2010,6 +2024,53 @@ __global__ void __launch_bounds__(256) gemm_group_wg_kernel(const half* __restri
                           k_tiles, src.n_tiles, src.splits, local, ring);
 }
 
+// A group through the wgmma ring with the `splits` K splits of each 128-column block in one thread-block cluster
+// (every source has `splits` splits; the cluster's size): each block stages its accumulators in shared memory, and
+// after a cluster barrier block `split` sums rows split, split + splits, ... over the cluster's blocks through
+// distributed shared memory, in split order, then rotates and scales them as had_out does and writes y. No partials
+// reach global memory and no output rotation launch follows. Blocks of source s are [item_begin / 8, + n_tiles *
+// splits / 8): block lb of them is column block lb / splits, split lb % splits (its rank: item_begin / 8 is a multiple
+// of splits, so a cluster never straddles two sources, and an empty source's clusters return whole).
+template <int K2, int CB, int NR, int CG>
+__global__ void __launch_bounds__(256) gemm_group_wg_cluster_kernel(const half* __restrict__ xh_all,
+                                                                    const GroupSource* __restrict__ srcs, int num,
+                                                                    void* __restrict__ out, int out_bf16, int m,
+                                                                    int k_tiles, int total_cols, int splits) {
+#ifdef EXL3_HAS_WGMMA
+  extern __shared__ uint4 ring[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int s = group_source_of_item(srcs, num, (long long)blockIdx.x * 8);
+  const GroupSource& src = srcs[s];
+  const int lb = blockIdx.x - (int)(src.item_begin / 8);
+  if (src.n_tiles == 0 || lb >= src.n_tiles * splits / 8) return;
+  const int cb = lb / splits, split = lb % splits;
+  wg_warp<K2, CB, NR, CG, true>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, nullptr, m, k_tiles, src.n_tiles,
+                                splits, split * src.n_tiles + cb * 8 + warp, ring);
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every split's accumulators are staged
+  const int row0 = blockIdx.y * NR, mb = min(m - row0, NR);
+  float* staged = reinterpret_cast<float*>(ring);
+  for (int r = split + splits * warp; r < mb; r += splits * 8) {
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < splits; ++j) {  // split order, as had_out_values sums
+      const float4 t = *reinterpret_cast<const float4*>(cluster.map_shared_rank(staged, j) + r * 128 + lane * 4);
+      v[0] += t.x;
+      v[1] += t.y;
+      v[2] += t.z;
+      v[3] += t.w;
+    }
+    half op[4];
+    had_out_finish(v, src.svh + cb * 128, lane, op);
+    const size_t at = (size_t)(row0 + r) * total_cols + src.col_begin + cb * 128 + lane * 4;
+    if (out_bf16) store4(reinterpret_cast<__nv_bfloat16*>(out) + at, op);
+    else store4(reinterpret_cast<half*>(out) + at, op);
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+#else
+  __trap();  // the launcher checks exl3_wgmma_available() first
+#endif
+}
+
 // Block (pair p, 64 columns jb, role, split): grid pairs * (inter / 64) * 2 * gu_splits, kWarps warps.
 template <int K2, int CB, typename T>
 __global__ void __launch_bounds__(kWarps * 32) moe_decode_gu_kernel(MoeDecodeArgs a) {
@@ -2322,6 +2383,30 @@ int launch_variant_gemm_group_wg(const half* xh_all, const GroupSource* srcs, in
   return launch_wg(m, mode, total_items / 8, stream, kernel_of, xh_all, srcs, num, partial, m, kt, total_items);
 }
 
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+template <int K2, int CB>
+int launch_variant_gemm_group_wg_cluster(const half* xh_all, const GroupSource* srcs, int num, void* out, int out_bf16,
+                                         int m, int kt, int total_items, int total_cols, int splits,
+                                         cudaStream_t stream) {
+  if (g_wgmma != 1) return -1;
+  constexpr int NR = 64, CG = 1, smem = wg_smem(NR, CG);
+  auto kernel = gemm_group_wg_cluster_kernel<K2, CB, NR, CG>;
+  if (smem > (48 << 10)) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(total_items / 8, (m + NR - 1) / NR);
+  config.blockDim = dim3(256);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&config, kernel, xh_all, srcs, num, out, out_bf16, m, kt, total_cols, splits);
+}
+
 // x slices in shared memory for a group (xs_slice: the longest K slice of its sources, in tiles; 0: global loads)
 template <int K2, int CB>
 int launch_variant_gemm_group_xs(const half* xh_all, const GroupSource* srcs, int num, float* partial, int m, int kt,
@@ -2604,6 +2689,26 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   if (y_bf16) rotate_out((__nv_bfloat16*)out);
   else rotate_out((half*)out);
   return (int)cudaGetLastError();
+}
+
+// exl3_group_linear on the wgmma ring in two launches, for m <= 64: the input rotation, then the GEMM with the
+// `splits` K splits of each 128-column block in one thread-block cluster, summed through distributed shared memory and
+// rotated into y inside the launch (gemm_group_wg_cluster_kernel): no partials. Every source of the table must have
+// `splits` splits (1-8); y is then bit-identical to exl3_group_linear's on the wgmma ring over the same table.
+int exl3_group_linear_cluster(const void* x, int x_bf16, const void* table, int num, void* xh_all, void* out,
+                              int y_bf16, int m, int k_tiles, int total_items, int total_cols, int splits, int k2,
+                              int codebook, void* stream) {
+  if (m <= 0 || m > 64 || num <= 0 || k_tiles <= 0 || total_items <= 0 || total_cols <= 0 || total_cols % 128 ||
+      splits < 1 || splits > kMaxClusterSplits || total_items % (8 * splits))
+    return -3;
+  if (g_wgmma != 1) return -1;
+  auto s = (cudaStream_t)stream;
+  auto srcs = (const GroupSource*)table;
+  if (x_bf16) launch_had_in_group((const __nv_bfloat16*)x, srcs, num, (half*)xh_all, m, k_tiles * 16, s);
+  else launch_had_in_group((const half*)x, srcs, num, (half*)xh_all, m, k_tiles * 16, s);
+  const half* xh = (const half*)xh_all;
+  EXL3_DISPATCH(k2, codebook, launch_variant_gemm_group_wg_cluster, (xh, srcs, num, out, y_bf16, m, k_tiles,
+                                                                     total_items, total_cols, splits, s))
 }
 
 // exl3_group_linear in one launch (linear_decode_kernel): y[m, total_cols] for a same-input group (one source: a
@@ -2927,7 +3032,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 23; }
+int exl3_abi_version(void) { return 26; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
