@@ -234,6 +234,38 @@ def test_group_only_for_sources_that_can_share_launches():
         group_shards([shard(256), shard(128)], Backend.CUDA)
 
 
+def test_single_linear_cluster_form_only_with_its_knob(monkeypatch):
+    """SGLANG_EXL3_WG_CLUSTER gives a single EXL3 linear on our CUDA kernels a one-source group for the cluster form
+    (read at load); without the knob, on another backend, or for several shards (their group has it), none; and
+    apply_shards runs that group only at the rows the form serves."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.layers import linear
+    from sglang_exl3.layers.shard import Exl3Shard
+
+    t, s, v = _layer(0, k=256, n=256, bits=3)
+    one = Exl3Shard(key="o", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=256,
+                    kernel_layout=True)
+    assert linear.cluster_shard([one], Backend.CUDA) is None  # knob off
+    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "1")
+    assert linear.cluster_shard([one], Backend.TORCH) is None
+    assert linear.cluster_shard([one, one], Backend.CUDA) is None
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_group is reached (needs CUDA)
+        linear.cluster_shard([one], Backend.CUDA)
+    ran = []
+    monkeypatch.setattr(linear, "run_group", lambda x, shards, group: (ran.append(group),
+                                                                       torch.zeros(x.shape[0], 256))[1])
+    monkeypatch.setattr(linear, "run_shard", lambda x, sh, backend, where: (ran.append("shard"),
+                                                                            torch.zeros(x.shape[0], 256))[1])
+    cluster = SimpleNamespace(cluster_serves=lambda m: m >= 33)
+    layer = SimpleNamespace(exl3_shards=[one], exl3_group=None, exl3_one_launch=None, exl3_cluster=cluster,
+                            exl3_backend=int(Backend.CUDA))
+    for m in (16, 48):
+        linear.apply_shards(layer, torch.zeros(m, 256).half(), None, "EXL3 o")
+    assert ran == ["shard", cluster]
+
+
 @pytest.mark.parametrize("op", ["moe_routed", "moe_sorted"])
 def test_moe_ops_fake_shape(op):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -741,6 +741,11 @@ class Exl3Group:
         fits = xs_smem(m, self.max_slice) <= XS_GROUP_SMEM_BYTES
         return self.max_slice if use_xs(m, self.codebook) and fits else 0
 
+    def cluster_serves(self, m: int) -> bool:
+        """Whether m rows run in the cluster form (group_run_cluster): SGLANG_EXL3_WG_CLUSTER on, the wgmma ring's
+        rows (WG_MIN_M-64) and wgmma rows that share one split count of at most 8."""
+        return self.ring_mode(m) in WG_MODES and bool(self.wg_cluster) and m <= FUSED_MAX_M and _cluster_knob()
+
     def ring_counters_for(self, m: int) -> torch.Tensor | None:
         """The counters with which m rows' ring launch rotates its own output; None where they cannot cover m."""
         c = self.ring_counters

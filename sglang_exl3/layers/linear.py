@@ -140,6 +140,19 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
                       shards[0].codebook)
 
 
+def cluster_shard(shards: list[Exl3Shard], backend: Backend):
+    """A single linear as a one-source group for the wgmma ring's cluster form (SGLANG_EXL3_WG_CLUSTER, read at
+    load), so that its 33-64 rows skip the split-K partials as a group's do; None without the knob, for several
+    shards (their group has the form), or where the source's wgmma splits cannot form clusters (an lm_head's one)."""
+    if backend != Backend.CUDA or len(shards) != 1 or not knobs.get("WG_CLUSTER") or not _share_launches(shards):
+        return None
+    from sglang_exl3.kernels.cuda_trellis import make_group
+
+    s = shards[0]
+    group = make_group([s.trellis], [s.suh], [s.svh], s.codebook)
+    return group if group.wg_cluster else None
+
+
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
     """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows (read once, at
     load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
@@ -204,6 +217,7 @@ def attach_shards(layer: torch.nn.Module, shards: list[Exl3Shard], backend: Back
     """What `apply_shards` runs: the layer's shards, their group and one-launch forms, the backend."""
     layer.exl3_shards = shards
     layer.exl3_group = group_shards(shards, backend)
+    layer.exl3_cluster = cluster_shard(shards, backend) if layer.exl3_group is None else None
     layer.exl3_one_launch = one_launch_shards(shards, backend, lm_head=isinstance(layer, ParallelLMHead))
     layer.exl3_backend = int(backend)
 
@@ -319,18 +333,21 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     xa = pad_input(x.reshape(-1, width).to(act), layer.exl3_shards[0].in_features, where)
     one = layer.exl3_one_launch
     one_launch = one is not None and one.serves(xa.shape[0])
+    cluster = layer.exl3_cluster is not None and layer.exl3_cluster.cluster_serves(xa.shape[0])
     if one_launch:
         y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook,
                                       one.rotates_first(xa.shape[0]))
     elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
+    elif cluster:
+        y = run_group(xa, layer.exl3_shards, layer.exl3_cluster)
     else:
         outs = [run_shard(xa, s, layer.exl3_backend, where) for s in layer.exl3_shards]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if output_check.enabled(layer, xa):
         want = torch.cat([output_check.shard_reference(xa, s) for s in layer.exl3_shards], dim=-1)
-        path = "one-launch" if one_launch else "group" if layer.exl3_group is not None else \
-            Backend(layer.exl3_backend).name.lower()
+        path = "one-launch" if one_launch else "group" if layer.exl3_group is not None else "cluster" if cluster \
+            else Backend(layer.exl3_backend).name.lower()
         output_check.report(layer, where, path, xa, y, want)
     if bias is not None:
         y = y.float() + bias.float()
