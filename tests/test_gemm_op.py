@@ -153,18 +153,21 @@ def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
     assert calls[0][1] == 0
 
 
-def test_wgmma_ring_runs_a_group_at_half_its_splits(monkeypatch):
-    """A group made at the policy's splits keeps a second set of table rows at half of them (rounded up) for the
-    wgmma ring, where every split's fp32 partials are written and read back: the Llama-3-8B q/k/v group goes from 16
-    to 8 splits, gate/up from 5 to 3. None where nothing would change or the blocks would not fill half the SMs.
+def test_wgmma_ring_runs_a_group_at_fewer_splits(monkeypatch):
+    """A group made at the policy's splits keeps a second set of table rows for the wgmma ring, where every split's
+    fp32 partials are written and read back: one split where its 128-column blocks alone cover the SMs (Llama-3-8B
+    gate/up, 224 blocks: 5 -> 1), else half of them rounded up (q/k/v, 48 blocks: 16 -> 8). None where nothing
+    would change or the blocks would not fill half the SMs.
     group_linear launches those rows on a wgmma mode and the load-time rows on every other path."""
     from sglang_exl3.kernels import cuda_trellis as ck
 
     monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
     cpu = torch.device("cpu")
     assert ck.wg_splits([256, 64, 64], [16, 16, 16], cpu) == [8, 8, 8]
-    assert ck.wg_splits([896, 896], [5, 5], cpu) == [3, 3]
+    assert ck.wg_splits([896, 896], [5, 5], cpu) == [1, 1]
     assert ck.wg_splits([896, 896], [1, 1], cpu) is None
+    assert ck.wg_splits([528, 520], [6, 5], cpu) == [3, 3]  # 66 + 65 = 131 column blocks: one short of the SMs
+    assert ck.wg_splits([528, 528], [6, 5], cpu) == [1, 1]
     assert ck.wg_splits([16, 8], [4, 4], cpu) is None  # (2 + 1) x 2 blocks < 66
     rows, items, _, base = ck.group_table([(1, 2, 3, 256, 16), (4, 5, 6, 64, 16)])
     wg_rows, wg_items, _, wg_base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
@@ -392,13 +395,15 @@ def test_rotated_crossover_scales_with_experts_over_topk():
     assert rotated_min_rows(1, 16) == MIN_SLAB_ROWS
 
 
-def test_sorted_tiles_from_one_pair_per_expert():
-    """Expert-sorted tiles from E routed pairs (Qwen3-30B-A3B: sorted 166 µs against the decode forward's 220 at
-    m = 16 = E pairs): m = 16 there; the tiny test models (4 experts, top-2) sort from m = 2."""
+def test_sorted_tiles_from_half_a_pair_per_expert():
+    """Expert-sorted tiles from E/2 routed pairs (Qwen3-30B-A3B, H100: sorted 119 µs against the decode forward's
+    129 at m = 8 = 64 pairs, 80 against 74 at m = 4): m = 8 there; a Mixtral-like layer (8 experts, top-2) sorts
+    from m = 2, so its m = 1 decode still takes the per-pair forward."""
     from sglang_exl3.layers.moe_kernels import sorted_rows
 
-    assert not sorted_rows(15, 8, 128) and sorted_rows(16, 8, 128) and sorted_rows(24, 8, 128)
-    assert not sorted_rows(1, 2, 4) and sorted_rows(2, 2, 4)
+    assert not sorted_rows(7, 8, 128) and sorted_rows(8, 8, 128) and sorted_rows(24, 8, 128)
+    assert not sorted_rows(1, 2, 8) and sorted_rows(2, 2, 8)
+    assert not sorted_rows(31, 8, 512) and sorted_rows(32, 8, 512)
 
 
 def test_rotation_tables_follow_the_slab_order_and_copy_only_for_several_tiers():

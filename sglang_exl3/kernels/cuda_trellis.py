@@ -792,16 +792,22 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
 
 
 def wg_splits(n_tiles: list[int], splits: list[int], device: torch.device) -> list[int] | None:
-    """A group's splits on the wgmma ring (33-64 rows): half its load-time splits, rounded up -- the single-linear
-    policy's count there (ring_splits) -- unless that leaves fewer blocks than half the SMs at 64 rows; None where
-    no source would change. Every split writes fp32 partials [S, m, N] that the output rotation reads back: at 64
-    rows the Llama-3-8B q/k/v group (16 splits) writes 25 MB and gate/up (5) 37 MB, which is the layer's gap to
-    bf16 (benchmarks/results/fused-layer-ab-h200.md, e2e-profile-h200.md)."""
-    half = [max(1, -(-sp // 2)) for sp in splits]
-    blocks = sum(nt // 8 * sp for nt, sp in zip(n_tiles, half, strict=True))
-    if half == list(splits) or 2 * blocks < _sm_count(device.index or 0):
+    """A group's splits on the wgmma ring (33-64 rows). Every split writes fp32 partials [S, m, N] that the output
+    rotation reads back, and K splits are there only to give every SM a block: where the group's 128-column blocks
+    alone number the SMs (Llama-3-8B gate/up: 224), one split (its 64 rows in 79.6 µs against 83.6 at 2 splits and
+    86.2 at 3; H100, benchmarks/results/wgmma-ab-group-splits-h100-80gb-hbm3.md); otherwise half the load-time splits,
+    rounded up -- the single-linear policy's count there (ring_splits; q/k/v: 16 -> 8, 26.5 µs against 26.8 at a
+    quarter and 28.2 at an eighth) -- unless that leaves fewer blocks than half the SMs. None where no source would
+    change."""
+    sms = _sm_count(device.index or 0)
+    if sum(nt // 8 for nt in n_tiles) >= sms:
+        fewer = [1] * len(splits)
+    else:
+        fewer = [max(1, -(-sp // 2)) for sp in splits]
+    blocks = sum(nt // 8 * sp for nt, sp in zip(n_tiles, fewer, strict=True))
+    if fewer == list(splits) or 2 * blocks < sms:
         return None
-    return half
+    return fewer
 
 
 def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:

@@ -159,8 +159,8 @@ def tier_rotations(tiers: list[ExpertTier]) -> tuple[torch.Tensor, ...]:
 
 
 def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
-    """Counters for the decode forward of a tier: per-pair sources run below one pair per expert (sorted_rows), so
-    fewer than E pairs (and tokens) ever reach it; sized for 1.5 E."""
+    """Counters for the decode forward of a tier: per-pair sources run below E/2 pairs (sorted_rows), so fewer than
+    E pairs (and tokens) ever reach it; sized for 1.5 E, the margin kept should the threshold move up again."""
     from sglang_exl3.kernels.cuda_trellis import decode_counters
 
     gate = experts[0]["w1"]
@@ -171,10 +171,10 @@ def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
 
 def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     """Whether routed rows go to expert-sorted tiles (an expert read once per tile) rather than one source per
-    (token, expert) pair: from E pairs. With the plan in one launch (exl3_sorted_plan) the Qwen3-30B-A3B layer at
-    m = 16 (128 pairs = E) takes 166 µs sorted against 220 on the two-launch decode forward (H200,
-    benchmarks/results/moe-h200.md); below E pairs not measured since, so those stay per pair."""
-    return rows * topk >= experts
+    (token, expert) pair: from E/2 pairs. On the Qwen3-30B-A3B layer (E = 128, top-8) the sorted forward beats the
+    two-launch decode forward from 64 pairs (m = 8: 119 against 129 µs) and loses below (m = 4: 80 against 74; H100,
+    benchmarks/results/moe-h100-80gb-hbm3.md), where the per-pair sources still read fewer weights."""
+    return 2 * rows * topk >= experts
 
 
 def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
