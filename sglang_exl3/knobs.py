@@ -103,10 +103,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("WGMMA", "auto", "choice", ("auto", "off"), "our CUDA kernels on Hopper: the x-ring GEMM (16-128 rows) "
          "as warpgroup MMAs (wgmma) fed by the weight decode in registers; auto: where the kernel build has them "
          "(sm_90a); off: the mma.sync ring. For A/B measurements"),
-    Knob("WG_CLUSTER", False, "flag", help="our CUDA kernels on Hopper: a same-input group on the wgmma ring (33-64 "
-         "rows) sums each column block's K splits inside a thread-block cluster and rotates its output in the same "
-         "launch, with no split-K partials in global memory; the same values. Off until measured against the "
-         "partials"),
+    Knob("WG_CLUSTER", False, "flag", help="our CUDA kernels on Hopper: a same-input group or single linear on the "
+         "wgmma ring (33-64 rows) sums each column block's K splits inside a thread-block cluster and rotates its "
+         "output in the same launch, with no split-K partials in global memory; the same values. Off: measured "
+         "slower than the partials (0.90x decode tok/s at batch 64, H100). For A/B measurements"),
+    Knob("PDL", True, "flag", help="our CUDA kernels: the one-launch linears and the MoE decode forward launch as "
+         "programmatic dependents of the kernel before them (their first weight loads overlap its end); 0: plain "
+         "launches, the same values. For A/B measurements"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

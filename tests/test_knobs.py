@@ -84,3 +84,17 @@ def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypat
     monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "64")
     ck.fused_max_m_knob.cache_clear()
     assert ck.fused_crossover_m(torch.device("cuda", 0)) == 64  # a set knob caps it
+
+
+def test_pdl_follows_the_knob_unless_a_caller_pins_it(monkeypatch):
+    """SGLANG_EXL3_PDL (on by default) decides whether the one-launch linears and the MoE decode forward launch as
+    programmatic dependents; a caller's explicit pdl (the A/B benchmarks, the GPU tests) wins over it."""
+    from sglang_exl3.kernels.cuda_trellis import launch_pdl
+
+    monkeypatch.delenv("SGLANG_EXL3_PDL", raising=False)
+    assert launch_pdl(None) is True and launch_pdl(False) is False
+    monkeypatch.setenv("SGLANG_EXL3_PDL", "0")
+    assert launch_pdl(None) is False and launch_pdl(True) is True
+    monkeypatch.setenv("SGLANG_EXL3_PDL", "off")
+    with pytest.raises(KnobError, match="SGLANG_EXL3_PDL must be 0 or 1"):
+        launch_pdl(None)

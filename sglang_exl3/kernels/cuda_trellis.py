@@ -1133,6 +1133,11 @@ def _cluster_knob() -> bool:
     return bool(knobs.get("WG_CLUSTER"))
 
 
+def launch_pdl(pdl: bool | None) -> bool:
+    """Whether a kernel that can launch as a programmatic dependent does: `pdl` where given, else SGLANG_EXL3_PDL."""
+    return bool(knobs.get("PDL")) if pdl is None else pdl
+
+
 def group_run_cluster(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
     """[m, total_cols] of x's dtype: the group on the wgmma ring from its wgmma rows in two launches, each column
     block's K splits summed inside a thread-block cluster and its output rotated in the same launch (no fp32 partials
@@ -1265,7 +1270,8 @@ def decode_counters(max_pairs: int, max_tokens: int, hidden: int, inter: int, de
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Exl3ExpertBank, up: Exl3ExpertBank,
                down: Exl3ExpertBank, topk: int, gelu: bool, counters: torch.Tensor, gu_splits: int | None = None,
-               dn_splits: int | None = None, out_dtype: torch.dtype = torch.float32, pdl: bool = True) -> torch.Tensor:
+               dn_splits: int | None = None, out_dtype: torch.dtype = torch.float32,
+               pdl: bool | None = None) -> torch.Tensor:
     """[tokens, H] in out_dtype: the MoE forward for one source per (token, expert) pair in two launches (gate/up
     GEMM + the mid rotations; down GEMM + the tail), the expert of each pair read from `ids` on the device. x fp16
     or bf16 [tokens, H]; ids int32/int64 and fp32 weights [tokens * top-k] (ids below 0: not this rank's, weight
@@ -1303,7 +1309,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
         x.data_ptr(), int(x.dtype == torch.bfloat16), gate.rows.data_ptr(), up.rows.data_ptr(), down.rows.data_ptr(),
         ids.data_ptr(), _ids_bytes(ids), weights.data_ptr(), tokens, topk, hidden, inter, gate.k2, gate.codebook,
         down.k2, down.codebook, gu, dn, partial_gu.data_ptr(), xh_dn.data_ptr(), partial_dn.data_ptr(),
-        counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_DTYPES.index(out_dtype), int(pdl),
+        counters.data_ptr(), counters.numel(), int(gelu), out.data_ptr(), DECODE_OUT_DTYPES.index(out_dtype),
+        int(launch_pdl(pdl)),
         _stream(x)), "moe decode")
     return out
 
@@ -1407,12 +1414,13 @@ def one_launch_warps(m: int) -> int:
 
 
 def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor, warps: int | None = None,
-                      pdl: bool = True, rotate_first: bool = False) -> torch.Tensor:
+                      pdl: bool | None = None, rotate_first: bool = False) -> torch.Tensor:
     """[m, total_cols] of x's dtype for fp16 or bf16 x [m, K]: group_linear's result in one launch (bit-identical at
     the same splits, for either block width). The group's splits must cut K into whole 128-blocks (make_one_launch's
     table). warps: 4 or 8 per block (default one_launch_warps(m)); pdl: launched as a programmatic dependent of the
-    kernel before it (its first weight loads overlap that kernel's end); rotate_first: the two-launch form, x rotated
-    once per source by its own launch, which the GEMM's blocks then copy (the same output bits)."""
+    kernel before it (its first weight loads overlap that kernel's end; default SGLANG_EXL3_PDL); rotate_first: the
+    two-launch form, x rotated once per source by its own launch, which the GEMM's blocks then copy (the same output
+    bits)."""
     m = x.shape[0]
     warps = warps or one_launch_warps(m)
     if warps not in (4, 8):
@@ -1432,7 +1440,7 @@ def one_launch_linear(x: torch.Tensor, group: Exl3Group, counters: torch.Tensor,
                                              group.table.data_ptr(), group.num,
                                              partial.data_ptr(), counters.data_ptr(), counters.numel(),
                                              out.data_ptr(), m, group.k_tiles, group.total_items, group.total_cols,
-                                             group.k2, group.codebook, group.max_slice, warps, int(pdl),
+                                             group.k2, group.codebook, group.max_slice, warps, int(launch_pdl(pdl)),
                                              _stream(x)),
            "one-launch linear")
     return out
