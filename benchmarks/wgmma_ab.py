@@ -103,8 +103,8 @@ def at_splits(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torc
 def bench_group(name: str, bits: int, ms: list[int], cb: Codebook) -> list[dict]:
     """A same-input group as a layer runs it with the wgmma ring off and on (the policy in both), and on the wgmma
     ring at its load-time splits, a quarter and an eighth of them (SPLIT_VARIANTS, where the policy takes the wgmma
-    ring: 33-64 rows) against the policy's half, and the policy's half in the cluster form (`wg_cluster_us`: the
-    splits summed in a thread-block cluster, no partials; SGLANG_EXL3_WG_CLUSTER)."""
+    ring: 33-64 rows) against the policy's own (wg_splits: one split or half), and the policy's in the cluster form
+    (`wg_cluster_us`: the splits summed in a thread-block cluster, no partials; SGLANG_EXL3_WG_CLUSTER)."""
     k, widths, copies, sets, gen = group_sets(name, bits, cb)
     variants = {d: [at_splits(*st[:3], cb, d) for st in sets] for d in SPLIT_VARIANTS}
     rows = []

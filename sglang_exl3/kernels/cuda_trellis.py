@@ -678,7 +678,7 @@ class Exl3Group:
     every source's work items and one output rotation writing the concatenated output (3 launches, not 3 per
     source). Built once per layer at load; `table` (GroupSource[] in device memory) points into the source
     tensors, which `sources` keeps alive. On the wgmma ring a group made at the policy's splits runs a second set of
-    rows, at half those splits (`wg_splits`): `launch_rows`."""
+    rows at fewer splits (`wg_splits`: one where its columns fill the SMs, else half): `launch_rows`."""
 
     table: torch.Tensor  # int64 [num, 8], then the wgmma ring's [num, 8] where wg_items > 0
     num: int
