@@ -188,9 +188,10 @@ def test_wgmma_ring_runs_a_group_at_fewer_splits(monkeypatch):
 
 
 def test_cluster_form_only_where_asked_and_possible(monkeypatch):
-    """SGLANG_EXL3_WG_CLUSTER: a group on the wgmma ring whose wgmma rows share one split count of at most 8 runs
-    group_run_cluster (splits summed in a thread-block cluster, no partials); off, on another ring, or for a group
-    without such rows, the partials path. group_run_cluster refuses what it cannot run before touching the GPU."""
+    """SGLANG_EXL3_WG_CLUSTER: at 1 a group on the wgmma ring whose wgmma rows share one split count of at most 8
+    runs group_run_cluster (splits summed in a thread-block cluster, no partials), at one-split only a group whose
+    wgmma rows have one split; off, on another ring, or for a group without such rows, the partials path.
+    group_run_cluster refuses what it cannot run before touching the GPU."""
     from sglang_exl3.kernels import cuda_trellis as ck
 
     rows, items, _, base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
@@ -202,11 +203,13 @@ def test_cluster_form_only_where_asked_and_possible(monkeypatch):
     monkeypatch.setattr(ck, "group_run_cluster", lambda x, g: (ran.append("cluster"), torch.zeros(1))[1])
     monkeypatch.setattr(ck, "group_run", lambda *a: (ran.append("partials"), torch.zeros(1))[1])
     x = torch.zeros(48, 4096).half()
-    for knob, ring, g in ((False, 91, group), (True, 91, group), (True, 81, group),
-                          (True, 91, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook))):
+    one_split = ck.Exl3Group.from_meta(group.table, group.meta[:9] + [1], group.codebook)
+    for knob, ring, g in (("0", 91, group), ("1", 91, group), ("1", 81, group),
+                          ("1", 91, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook)),
+                          ("one-split", 91, group), ("one-split", 91, one_split), ("0", 91, one_split)):
         monkeypatch.setattr(ck, "_cluster_knob", lambda knob=knob: knob)
         ck.group_linear(x, g, ring=ring)
-    assert ran == ["partials", "cluster", "partials", "partials"]
+    assert ran == ["partials", "cluster", "partials", "partials", "partials", "cluster", "partials"]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="at most 8"):
         ck.group_run_cluster(x, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook))

@@ -744,7 +744,8 @@ class Exl3Group:
     def cluster_serves(self, m: int) -> bool:
         """Whether m rows run in the cluster form (group_run_cluster): SGLANG_EXL3_WG_CLUSTER on, the wgmma ring's
         rows (WG_MIN_M-64) and wgmma rows that share one split count of at most 8."""
-        return self.ring_mode(m) in WG_MODES and bool(self.wg_cluster) and m <= FUSED_MAX_M and _cluster_knob()
+        return self.ring_mode(m) in WG_MODES and m <= FUSED_MAX_M and cluster_form_for(self.wg_cluster,
+                                                                                        _cluster_knob())
 
     def ring_counters_for(self, m: int) -> torch.Tensor | None:
         """The counters with which m rows' ring launch rotates its own output; None where they cannot cover m."""
@@ -1129,8 +1130,15 @@ def slab_tail(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down_sv
 
 
 @cache
-def _cluster_knob() -> bool:
-    return bool(knobs.get("WG_CLUSTER"))
+def _cluster_knob() -> str:
+    return knobs.get("WG_CLUSTER")
+
+
+def cluster_form_for(wg_cluster: int, mode: str) -> bool:
+    """Whether wgmma rows of `wg_cluster` splits (0: none that a cluster holds) run in the cluster form under
+    SGLANG_EXL3_WG_CLUSTER=`mode`: all of them at 1; at one-split only rows of one split, whose blocks each hold
+    whole column sums and so rotate them in the launch with no cluster reduction and no partials."""
+    return bool(wg_cluster) and (mode == "1" or (mode == "one-split" and wg_cluster == 1))
 
 
 def launch_pdl(pdl: bool | None) -> bool:
@@ -1357,7 +1365,7 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
-    if ring in WG_MODES and group.wg_cluster and m <= FUSED_MAX_M and _cluster_knob():
+    if ring in WG_MODES and m <= FUSED_MAX_M and cluster_form_for(group.wg_cluster, _cluster_knob()):
         return group_run_cluster(x, group)
     table, items, partial_per_row = group.launch_rows(ring)
     return group_run(x, table, group.num, m, group.k_tiles, items, group.total_cols, partial_per_row, group.k2,

@@ -143,14 +143,16 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
 def cluster_shard(shards: list[Exl3Shard], backend: Backend):
     """A single linear as a one-source group for the wgmma ring's cluster form (SGLANG_EXL3_WG_CLUSTER, read at
     load), so that its 33-64 rows skip the split-K partials as a group's do; None without the knob, for several
-    shards (their group has the form), or where the source's wgmma splits cannot form clusters (an lm_head's one)."""
-    if backend != Backend.CUDA or len(shards) != 1 or not knobs.get("WG_CLUSTER") or not _share_launches(shards):
+    shards (their group has the form), or where the knob's mode does not take the source's wgmma splits (an
+    lm_head has none; o and down keep 8, which one-split leaves to the partials)."""
+    mode = knobs.get("WG_CLUSTER")
+    if backend != Backend.CUDA or len(shards) != 1 or mode == "0" or not _share_launches(shards):
         return None
-    from sglang_exl3.kernels.cuda_trellis import make_group
+    from sglang_exl3.kernels.cuda_trellis import cluster_form_for, make_group
 
     s = shards[0]
     group = make_group([s.trellis], [s.suh], [s.svh], s.codebook)
-    return group if group.wg_cluster else None
+    return group if cluster_form_for(group.wg_cluster, mode) else None
 
 
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
