@@ -5,7 +5,7 @@ bitrates; an R7 expert's gate, up and down may each have its own: a tier whose g
 groups, unfused). Per tier and role the experts' weights are stacked into one tensor (each shard's trellis becomes a
 view: no second copy) and described by an expert bank (GroupSource rows). Two capturable forwards:
 - routed: `torch.ops.exl3.moe_decode` per tier, one m = 1 source per (token, expert) pair (decode) in two launches
-  that find each pair's expert on the device, or from one pair per expert `torch.ops.exl3.moe_sorted`
+  that find each pair's expert on the device, or from half a pair per expert `torch.ops.exl3.moe_sorted`
   (kernels/moe_sorted.py: pairs sorted by expert into tiles of 8-64 rows, one source per tile: a table launch and
   the fused five-launch forward); pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
 - rotated slab (from rotated_min_rows(experts, top-k) rows; layers/moe_rotated.py): every expert's W_hat decoded
