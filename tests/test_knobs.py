@@ -88,8 +88,23 @@ def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypat
 
 def test_pdl_follows_the_knob_unless_a_caller_pins_it(monkeypatch):
     """SGLANG_EXL3_PDL (on by default) decides whether the one-launch linears and the MoE decode forward launch as
-    programmatic dependents; a caller's explicit pdl (the A/B benchmarks, the GPU tests) wins over it."""
+    programmatic dependents, read once at load (a read costs ~2 µs, too much per eager call); a caller's explicit
+    pdl (the A/B benchmarks, the GPU tests) wins over it."""
+    from types import SimpleNamespace
+
+    from sglang_exl3.kernels import cuda_trellis as ck
+    from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.kernels.cuda_trellis import launch_pdl
+    from sglang_exl3.layers.linear import one_launch_shards
+
+    made = []
+    monkeypatch.setattr(ck, "make_one_launch", lambda *args: made.append(args[-1]))
+    monkeypatch.setattr("sglang_exl3.layers.linear._share_launches", lambda shards: True)
+    shard = SimpleNamespace(trellis=None, suh=None, svh=None, codebook=None)
+    for env in ("1", "0"):
+        monkeypatch.setenv("SGLANG_EXL3_PDL", env)
+        one_launch_shards([shard], Backend.CUDA)
+    assert made == [True, False]
 
     monkeypatch.delenv("SGLANG_EXL3_PDL", raising=False)
     assert launch_pdl(None) is True and launch_pdl(False) is False

@@ -744,8 +744,8 @@ class Exl3Group:
     def cluster_serves(self, m: int) -> bool:
         """Whether m rows run in the cluster form (group_run_cluster): SGLANG_EXL3_WG_CLUSTER on, the wgmma ring's
         rows (WG_MIN_M-64) and wgmma rows that share one split count of at most 8."""
-        return self.ring_mode(m) in WG_MODES and m <= FUSED_MAX_M and cluster_form_for(self.wg_cluster,
-                                                                                        _cluster_knob())
+        return self.ring_mode(m) in WG_MODES and bool(self.wg_cluster) and m <= FUSED_MAX_M and \
+            cluster_form_for(self.wg_cluster, _cluster_knob())
 
     def ring_counters_for(self, m: int) -> torch.Tensor | None:
         """The counters with which m rows' ring launch rotates its own output; None where they cannot cover m."""
@@ -1142,7 +1142,8 @@ def cluster_form_for(wg_cluster: int, mode: str) -> bool:
 
 
 def launch_pdl(pdl: bool | None) -> bool:
-    """Whether a kernel that can launch as a programmatic dependent does: `pdl` where given, else SGLANG_EXL3_PDL."""
+    """Whether a kernel that can launch as a programmatic dependent does: `pdl` where given, else SGLANG_EXL3_PDL
+    (~2 µs per environment read: layers resolve it once, at load, and pass it)."""
     return bool(knobs.get("PDL")) if pdl is None else pdl
 
 
@@ -1365,7 +1366,8 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
-    if ring in WG_MODES and m <= FUSED_MAX_M and cluster_form_for(group.wg_cluster, _cluster_knob()):
+    if ring in WG_MODES and group.wg_cluster and m <= FUSED_MAX_M and cluster_form_for(group.wg_cluster,
+                                                                                       _cluster_knob()):
         return group_run_cluster(x, group)
     table, items, partial_per_row = group.launch_rows(ring)
     return group_run(x, table, group.num, m, group.k_tiles, items, group.total_cols, partial_per_row, group.k2,
@@ -1382,6 +1384,7 @@ class Exl3OneLaunch:
     counters: torch.Tensor
     max_m: int = ONE_LAUNCH_MAX_ROWS
     two_launch_max_m: int = 0  # above max_m and up to this, x is rotated by its own launch first (rotates_first)
+    pdl: bool = True  # launched as a programmatic dependent (SGLANG_EXL3_PDL, read at load)
 
     def serves(self, m: int) -> bool:
         """Whether m rows run in this form (one launch up to max_m, two up to two_launch_max_m; at most
@@ -1404,7 +1407,7 @@ def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) ->
 
 def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
                     codebook: Codebook, max_m: int = ONE_LAUNCH_MAX_ROWS,
-                    two_launch_max_m: int = 0) -> Exl3OneLaunch | None:
+                    two_launch_max_m: int = 0, pdl: bool = True) -> Exl3OneLaunch | None:
     """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, used for up
     to max_m rows (and as two launches up to two_launch_max_m), or None where it cannot run them (K or an N not whole
     128-blocks)."""
@@ -1413,7 +1416,7 @@ def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: lis
         return None
     group = make_group(tiles, suh, svh, codebook, splits=[splits] * len(tiles))
     return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m,
-                         two_launch_max_m)
+                         two_launch_max_m, pdl)
 
 
 def one_launch_warps(m: int) -> int:
