@@ -1,4 +1,5 @@
-"""EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8): ours (the MoE method's
+"""EXL3 MoE layer on a Qwen3-30B-A3B shape (hidden 2048, 128 experts of 768, top-8; `--shape mixtral-8x7b`: 4096,
+8 x 14336, top-2, written as moe-mixtral-8x7b-<gpu>): ours (the MoE method's
 capturable forward: routed groups below rotated_min_rows rows, the rotated slab above) vs SGLang's bf16
 `fused_experts` (Triton) on the same weights dequantized, side by side in one run (CUDA-graph replay medians,
 routing rotated across calls). Both take the hidden states in the model's dtype (--x-dtype, bf16 by default) and
@@ -45,7 +46,9 @@ from benchmarks.common import (  # noqa: E402
 )
 from sglang_exl3.format import Codebook  # noqa: E402
 
-HIDDEN, EXPERTS, INTER, TOPK = 2048, 128, 768, 8
+# (hidden, experts, intermediate, top-k) per --shape; the module-level names hold the chosen one (main sets them)
+SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8), "mixtral-8x7b": (4096, 8, 14336, 2)}
+HIDDEN, EXPERTS, INTER, TOPK = SHAPES["qwen3-30b-a3b"]
 ROUTINGS = 8
 COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "ours_vs_bf16", "ours_vs_exllamav3",
            "ours_vs_marlin"]
@@ -338,17 +341,30 @@ def plot(rows: list[dict], path: Path, gpu: str) -> None:
         ax.set_title(f"{b} bits", fontsize=9)
     axes[0][0].set_ylabel("µs per MoE layer call")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Qwen3-30B-A3B MoE layer (2048, 128 x 768, top-8), {gpu}", fontsize=9)
+    fig.suptitle(f"MoE layer ({HIDDEN}, {EXPERTS} x {INTER}, top-{TOPK}), {gpu}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def results_name(shape: str) -> str:
+    """moe-<gpu> for the Qwen3-30B-A3B layer (the issue's anchor), moe-<shape>-<gpu> for another."""
+    return "moe" if shape == "qwen3-30b-a3b" else f"moe-{shape}"
+
+
+def use_shape(shape: str) -> None:
+    """Point the module's shape names at `shape` (every function reads them when called)."""
+    global HIDDEN, EXPERTS, INTER, TOPK
+    HIDDEN, EXPERTS, INTER, TOPK = SHAPES[shape]
+
+
 def merge(paths: list[Path]) -> int:
-    """One table and plot from several runs' JSON (same GPU)."""
+    """One table and plot from several runs' JSON (same GPU, same shape)."""
     runs = [json.loads(p.read_text()) for p in paths]
     head = dict(runs[0]["header"], command=" ; ".join(r["header"]["command"] for r in runs))
+    shape = head.get("shape", "qwen3-30b-a3b")
+    use_shape(shape)
     rows = sorted((row for r in runs for row in r["rows"]), key=lambda r: (r["bits"], r["m"]))
-    out = write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS)
+    out = write_results(results_name(shape), head, rows, COLUMNS + EXTRA_COLUMNS)
     plot(rows, out.with_suffix(".png"), head["gpu"])
     return 0
 
@@ -366,18 +382,25 @@ def main() -> int:
     ap.add_argument("--x-dtype", choices=["bf16", "fp16"], default="bf16",
                     help="the model's dtype: what the layer receives and returns")
     ap.add_argument("--marlin", action="store_true", help="add SGLang's fused_marlin_moe (GPTQ int4, g128) column")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="the layer (random experts; --ckpt-dir only for qwen3-30b-a3b): mixtral-8x7b times the "
+                         "decode / sorted crossing of an 8-expert top-2 layer")
     args = ap.parse_args()
     if args.merge:
         return merge(args.merge)
+    if args.ckpt_dir and args.shape != "qwen3-30b-a3b":
+        ap.error(f"--ckpt-dir writes Qwen3-30B-A3B layers; --shape {args.shape} runs on random experts")
+    use_shape(args.shape)
     publish_sglang_args()
-    rows, head = [], header(sys.argv)
+    rows, head = [], dict(header(sys.argv), shape=args.shape)
     marlin = marlin_experts() if args.marlin else None
     for bits in (int(b) for b in args.bits.split(",")):
         bench_bits(bits, [int(m) for m in args.ms.split(",")], args.ckpt_dir, rows,
-                   lambda: write_results("moe", head, rows, COLUMNS + EXTRA_COLUMNS), args.both_paths,
+                   lambda: write_results(results_name(args.shape), head, rows, COLUMNS + EXTRA_COLUMNS),
+                   args.both_paths,
                    torch.bfloat16 if args.x_dtype == "bf16" else torch.float16, marlin)
         torch.cuda.empty_cache()
-    plot(rows, RESULTS / f"moe-{gpu_slug(head['gpu'])}.png", head["gpu"])
+    plot(rows, RESULTS / f"{results_name(args.shape)}-{gpu_slug(head['gpu'])}.png", head["gpu"])
     return 0
 
 

@@ -146,6 +146,7 @@ run_step() {
       ckpt=()
       echo "moebench: no exllamav3 extension: random experts, no exllamav3 column"
     fi
+    case " ${MOEBENCH_ARGS:-} " in *" --shape mixtral"*) ckpt=() ;; esac  # its checkpoints: Qwen3-30B-A3B only
     timeout "${MOEBENCH_TIMEOUT:-400}" python3 benchmarks/moe.py "${ckpt[@]}" --bits "${MOE_BITS:-4}" \
       ${MOEBENCH_ARGS:-} \
       2>&1 | tee "$work/moe.txt" | grep -v "^ROW" | tail -14
