@@ -88,28 +88,27 @@ def test_fused_max_m_is_bounded_by_the_kernel_and_read_by_the_dispatch(monkeypat
 
 def test_pdl_follows_the_knob_unless_a_caller_pins_it(monkeypatch):
     """SGLANG_EXL3_PDL (on by default) decides whether the one-launch linears and the MoE decode forward launch as
-    programmatic dependents, read once at load (a read costs ~2 µs, too much per eager call); a caller's explicit
-    pdl (the A/B benchmarks, the GPU tests) wins over it."""
-    from types import SimpleNamespace
-
+    programmatic dependents, read once per process (a read costs ~2 µs, too much per eager call); a caller's
+    explicit pdl (the A/B benchmarks, the GPU tests) wins over it."""
     from sglang_exl3.kernels import cuda_trellis as ck
-    from sglang_exl3.kernels.backends import Backend
-    from sglang_exl3.kernels.cuda_trellis import launch_pdl
-    from sglang_exl3.layers.linear import one_launch_shards
 
-    made = []
-    monkeypatch.setattr(ck, "make_one_launch", lambda *args: made.append(args[-1]))
-    monkeypatch.setattr("sglang_exl3.layers.linear._share_launches", lambda shards: True)
-    shard = SimpleNamespace(trellis=None, suh=None, svh=None, codebook=None)
-    for env in ("1", "0"):
-        monkeypatch.setenv("SGLANG_EXL3_PDL", env)
-        one_launch_shards([shard], Backend.CUDA)
-    assert made == [True, False]
+    def fresh(env: str | None) -> None:
+        if env is None:
+            monkeypatch.delenv("SGLANG_EXL3_PDL", raising=False)
+        else:
+            monkeypatch.setenv("SGLANG_EXL3_PDL", env)
+        ck._pdl_knob.cache_clear()
 
-    monkeypatch.delenv("SGLANG_EXL3_PDL", raising=False)
-    assert launch_pdl(None) is True and launch_pdl(False) is False
-    monkeypatch.setenv("SGLANG_EXL3_PDL", "0")
-    assert launch_pdl(None) is False and launch_pdl(True) is True
-    monkeypatch.setenv("SGLANG_EXL3_PDL", "off")
-    with pytest.raises(KnobError, match="SGLANG_EXL3_PDL must be 0 or 1"):
-        launch_pdl(None)
+    try:
+        fresh(None)
+        assert ck.launch_pdl(None) is True and ck.launch_pdl(False) is False
+        fresh("0")
+        assert ck.launch_pdl(None) is False and ck.launch_pdl(True) is True
+        monkeypatch.setenv("SGLANG_EXL3_PDL", "1")
+        assert ck.launch_pdl(None) is False  # read once: a later change is not seen
+        fresh("off")
+        with pytest.raises(KnobError, match="SGLANG_EXL3_PDL must be 0 or 1"):
+            ck.launch_pdl(None)
+    finally:
+        monkeypatch.undo()
+        ck._pdl_knob.cache_clear()

@@ -1141,10 +1141,15 @@ def cluster_form_for(wg_cluster: int, mode: str) -> bool:
     return bool(wg_cluster) and (mode == "1" or (mode == "one-split" and wg_cluster == 1))
 
 
+@cache
+def _pdl_knob() -> bool:
+    return bool(knobs.get("PDL"))
+
+
 def launch_pdl(pdl: bool | None) -> bool:
     """Whether a kernel that can launch as a programmatic dependent does: `pdl` where given, else SGLANG_EXL3_PDL
-    (~2 µs per environment read: layers resolve it once, at load, and pass it)."""
-    return bool(knobs.get("PDL")) if pdl is None else pdl
+    (read once per process, as the other knobs of the call path: an environment read costs ~2 µs)."""
+    return _pdl_knob() if pdl is None else pdl
 
 
 def group_run_cluster(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
@@ -1384,7 +1389,6 @@ class Exl3OneLaunch:
     counters: torch.Tensor
     max_m: int = ONE_LAUNCH_MAX_ROWS
     two_launch_max_m: int = 0  # above max_m and up to this, x is rotated by its own launch first (rotates_first)
-    pdl: bool = True  # launched as a programmatic dependent (SGLANG_EXL3_PDL, read at load)
 
     def serves(self, m: int) -> bool:
         """Whether m rows run in this form (one launch up to max_m, two up to two_launch_max_m; at most
@@ -1407,7 +1411,7 @@ def one_launch_splits(k_tiles: int, n_tiles: list[int], device: torch.device) ->
 
 def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor],
                     codebook: Codebook, max_m: int = ONE_LAUNCH_MAX_ROWS,
-                    two_launch_max_m: int = 0, pdl: bool = True) -> Exl3OneLaunch | None:
+                    two_launch_max_m: int = 0) -> Exl3OneLaunch | None:
     """The one-launch form of these same-input sources (one source: a single linear) at one_launch_splits, used for up
     to max_m rows (and as two launches up to two_launch_max_m), or None where it cannot run them (K or an N not whole
     128-blocks)."""
@@ -1416,7 +1420,7 @@ def make_one_launch(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: lis
         return None
     group = make_group(tiles, suh, svh, codebook, splits=[splits] * len(tiles))
     return Exl3OneLaunch(group, torch.zeros(group.total_cols // 128, dtype=torch.int32, device=tiles[0].device), max_m,
-                         two_launch_max_m, pdl)
+                         two_launch_max_m)
 
 
 def one_launch_warps(m: int) -> int:

@@ -103,19 +103,18 @@ def _(x, tiles, suh, svh, table, meta, codebook):
 
 @torch.library.custom_op("exl3::one_launch", mutates_args=())
 def exl3_one_launch(x: torch.Tensor, table: torch.Tensor, counters: torch.Tensor, meta: list[int],
-                    codebook: int, rotate_first: bool = False, pdl: bool = True) -> torch.Tensor:
+                    codebook: int, rotate_first: bool = False) -> torch.Tensor:
     """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (cuda_trellis.one_launch_linear;
     rotate_first: two, x rotated by its own launch first); `table` / `meta` / `counters` come from
     cuda_trellis.make_one_launch. The counters are zero before and after every call (the kernel resets what it
     counts), so the op mutates nothing that outlives it."""
     from sglang_exl3.kernels.cuda_trellis import Exl3Group, one_launch_linear
 
-    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters, pdl=pdl,
-                             rotate_first=rotate_first)
+    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters, rotate_first=rotate_first)
 
 
 @exl3_one_launch.register_fake
-def _(x, table, counters, meta, codebook, rotate_first=False, pdl=True):
+def _(x, table, counters, meta, codebook, rotate_first=False):
     return x.new_empty((x.shape[0], meta[3]))  # Exl3Group.meta: total_cols
 
 
@@ -162,7 +161,7 @@ exl3_moe_sorted.register_fake(_moe_fake)
 @torch.library.custom_op("exl3::moe_decode", mutates_args=())
 def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
                     up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
-                    gelu: bool, counters: torch.Tensor, out_kind: int, pdl: bool = True) -> torch.Tensor:
+                    gelu: bool, counters: torch.Tensor, out_kind: int) -> torch.Tensor:
     """moe_routed's result in two launches (cuda_trellis.moe_decode), in fp32, fp16 or bf16 (out_kind 0 / 1 / 2:
     the fp32 result rounded, so a layer's cast back to the model's dtype is folded in). `counters` come from
     cuda_trellis.decode_counters: zero before and after every call (the kernels reset what they count), so the
@@ -171,12 +170,11 @@ def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
     gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, gate_up_meta, down_meta)
     return moe_decode(x, flat_routing_ids(topk_ids), topk_weights.reshape(-1).to(torch.float32), gate, up, down,
-                      topk_ids.shape[1], gelu, counters, out_dtype=DECODE_OUT_DTYPES[out_kind], pdl=pdl)
+                      topk_ids.shape[1], gelu, counters, out_dtype=DECODE_OUT_DTYPES[out_kind])
 
 
 @exl3_moe_decode.register_fake
-def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu, counters, out_kind,
-      pdl=True):
+def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu, counters, out_kind):
     from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES
 
     return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=DECODE_OUT_DTYPES[out_kind])

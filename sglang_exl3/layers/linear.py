@@ -167,7 +167,7 @@ def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool =
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
     return make_one_launch([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
-                           shards[0].codebook, max_m, two_max_m, bool(knobs.get("PDL")))
+                           shards[0].codebook, max_m, two_max_m)
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
@@ -338,7 +338,7 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     cluster = layer.exl3_cluster is not None and layer.exl3_cluster.cluster_serves(xa.shape[0])
     if one_launch:
         y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook,
-                                      one.rotates_first(xa.shape[0]), one.pdl)
+                                      one.rotates_first(xa.shape[0]))
     elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
     elif cluster:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_exl3 import knobs
 from sglang_exl3.format.rank_sliced import ROLE_PROJECTIONS
 from sglang_exl3.kernels.backends import Backend
 from sglang_exl3.layers.shard import Exl3Shard
@@ -48,7 +47,6 @@ class ExpertTier:
     dense: tuple  # per role: (stacked tiles, suh [E_t, K], svh [E_t * N], codebook, ones [K])
     banks: tuple  # per role: Exl3ExpertBank
     counters: torch.Tensor | None = None  # the decode forward's arrival counters (zero between calls)
-    pdl: bool = True  # the decode forward launches as a programmatic dependent (SGLANG_EXL3_PDL, read at load)
 
 
 @dataclass
@@ -131,12 +129,11 @@ def build_tiers(experts: list[dict[str, Exl3Shard]], backend: Backend) -> Expert
     groups = tier_groups(experts)
     if groups is None:
         return None
-    pdl = bool(knobs.get("PDL"))
     tiers = []
     for group in groups:
         sub = [experts[e] for e in group]
         dense = stack_experts(sub)  # first: the banks point at the stacked weights
-        tiers.append(ExpertTier(group, dense, expert_banks(sub), decode_counters_for(sub), pdl))
+        tiers.append(ExpertTier(group, dense, expert_banks(sub), decode_counters_for(sub)))
     if len(tiers) == 1:
         return ExpertTiers(tiers, rotations=tier_rotations(tiers))
     device = experts[0]["w1"].trellis.device
@@ -203,7 +200,7 @@ def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tens
             kind = DECODE_OUT_DTYPES.index(out_dtype) if len(tiers.tiers) == 1 and out_dtype in DECODE_OUT_DTYPES \
                 else 0
             y = torch.ops.exl3.moe_decode(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta,
-                                          down.meta, gelu, tier.counters, kind, tier.pdl)
+                                          down.meta, gelu, tier.counters, kind)
         else:
             y = torch.ops.exl3.moe_routed(x, ids, topk_weights, gate.rows, up.rows, down.rows, gate.meta, up.meta,
                                           down.meta, gelu)
