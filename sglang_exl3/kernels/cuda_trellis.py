@@ -741,11 +741,11 @@ class Exl3Group:
         fits = xs_smem(m, self.max_slice) <= XS_GROUP_SMEM_BYTES
         return self.max_slice if use_xs(m, self.codebook) and fits else 0
 
-    def cluster_serves(self, m: int) -> bool:
-        """Whether m rows run in the cluster form (group_run_cluster): SGLANG_EXL3_WG_CLUSTER on, the wgmma ring's
-        rows (WG_MIN_M-64) and wgmma rows that share one split count of at most 8."""
-        return self.ring_mode(m) in WG_MODES and bool(self.wg_cluster) and m <= FUSED_MAX_M and \
-            cluster_form_for(self.wg_cluster, _cluster_knob())
+    def cluster_serves(self, m: int, ring: int | None = None) -> bool:
+        """Whether m rows on `ring` (default ring_mode(m)) run in the cluster form (group_run_cluster): a wgmma mode,
+        at most 64 rows, and wgmma rows whose split count SGLANG_EXL3_WG_CLUSTER takes (cluster_form_for)."""
+        ring = self.ring_mode(m) if ring is None else ring
+        return ring in WG_MODES and m <= FUSED_MAX_M and cluster_form_for(self.wg_cluster, _cluster_knob())
 
     def ring_counters_for(self, m: int) -> torch.Tensor | None:
         """The counters with which m rows' ring launch rotates its own output; None where they cannot cover m."""
@@ -1371,8 +1371,7 @@ def group_linear(x: torch.Tensor, group: Exl3Group, ring: int | None = None, rin
     if m > FUSED_MAX_M and not ring:
         raise ValueError(f"the fused EXL3 kernel takes at most {FUSED_MAX_M} rows without the x ring, got {m}")
     counters = group.ring_counters_for(m) if ring and ring_rotates_out else None
-    if ring in WG_MODES and group.wg_cluster and m <= FUSED_MAX_M and cluster_form_for(group.wg_cluster,
-                                                                                       _cluster_knob()):
+    if group.cluster_serves(m, ring):
         return group_run_cluster(x, group)
     table, items, partial_per_row = group.launch_rows(ring)
     return group_run(x, table, group.num, m, group.k_tiles, items, group.total_cols, partial_per_row, group.k2,

@@ -171,9 +171,10 @@ def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
 
 def sorted_rows(rows: int, topk: int, experts: int) -> bool:
     """Whether routed rows go to expert-sorted tiles (an expert read once per tile) rather than one source per
-    (token, expert) pair: from E/2 pairs. On the Qwen3-30B-A3B layer (E = 128, top-8) the sorted forward beats the
-    two-launch decode forward from 64 pairs (m = 8: 119 against 129 µs) and loses below (m = 4: 80 against 74; H100,
-    benchmarks/results/moe-h100-80gb-hbm3.md), where the per-pair sources still read fewer weights."""
+    (token, expert) pair: from E/2 pairs. On the Qwen3-30B-A3B layer (E = 128, top-8) the two tie at 64 pairs (m = 8:
+    sorted 119.1 µs, the two-launch decode forward 119.6), sorted wins above (m = 12: 154.9 against 171.1) and loses
+    below (m = 4: 81.3 against 68.2), where the per-pair sources still read fewer weights (H100,
+    benchmarks/results/moe-h100-80gb-hbm3.md, moe-decode-forward-h100-80gb-hbm3.md)."""
     return 2 * rows * topk >= experts
 
 
