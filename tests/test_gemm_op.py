@@ -425,3 +425,26 @@ def test_rotation_tables_follow_the_slab_order_and_copy_only_for_several_tiers()
     single = ExpertTier([0, 2], tiers[0].dense, ())
     views = tier_rotations([single])
     assert views[0].data_ptr() == single.dense[0][1].data_ptr() and views[5].data_ptr() == single.dense[2][2].data_ptr()
+
+
+def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
+    """With SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS set, the one-launch form is offered only to layers of at most that many
+    weights on this rank (K x N over the sources); unset, to any size."""
+    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.layers import linear
+    from sglang_exl3.layers.shard import Exl3Shard
+
+    t, s, v = _layer(0, k=256, n=256, bits=3)
+    one = Exl3Shard(key="o", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=256,
+                    kernel_layout=True)
+    assert linear.layer_weights([one]) == 256 * 256
+    assert linear.layer_weights([one, one]) == 2 * 256 * 256
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # unset: make_one_launch is reached
+        linear.one_launch_shards([one, one], Backend.CUDA)
+    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(256 * 256))
+    assert linear.one_launch_shards([one, one], Backend.CUDA) is None  # over the budget
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # within it: make_one_launch is reached
+        linear.one_launch_shards([one], Backend.CUDA)
+    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(2 * 256 * 256))
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):
+        linear.one_launch_shards([one, one], Backend.CUDA)

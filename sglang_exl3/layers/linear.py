@@ -155,14 +155,23 @@ def cluster_shard(shards: list[Exl3Shard], backend: Backend):
     return group if cluster_form_for(group.wg_cluster, mode) else None
 
 
+def layer_weights(shards: list[Exl3Shard]) -> int:
+    """K x N summed over the shards' packed trellis (this rank's slice): the weights one launch would decode."""
+    return sum(s.trellis.shape[0] * s.trellis.shape[1] * 256 for s in shards)
+
+
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
     """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows (read once, at
     load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
     folded in, and as two (x rotated first) up to SGLANG_EXL3_TWO_LAUNCH_MAX_M rows; None where both knobs are 0,
     they cannot share it, and for the lm_head: each of its ~2,400 blocks re-rotates all of x (one split), which
-    measured 7% slower than three launches at m = 1 (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936)."""
+    measured 7% slower than three launches at m = 1 (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936);
+    and for layers of more than SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights when it is set (an A/B)."""
     max_m, two_max_m = int(knobs.get("ONE_LAUNCH_MAX_M")), int(knobs.get("TWO_LAUNCH_MAX_M"))
     if backend != Backend.CUDA or lm_head or max(max_m, two_max_m) == 0 or not _share_launches(shards):
+        return None
+    most = knobs.get("ONE_LAUNCH_MAX_WEIGHTS")
+    if most is not None and layer_weights(shards) > most:
         return None
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
