@@ -253,11 +253,22 @@ def test_single_linear_cluster_form_only_with_its_knob(monkeypatch):
     t, s, v = _layer(0, k=256, n=256, bits=3)
     one = Exl3Shard(key="o", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=256,
                     kernel_layout=True)
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)  # an H100's
+    monkeypatch.setattr(ck, "single_wg_cluster", lambda kt, nt, device: 8)  # o / down on the H100: 16 -> 8 splits
+    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "0")
     assert linear.cluster_shard([one], Backend.CUDA) is None  # knob off
+    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "one-split")
+    assert linear.cluster_shard([one], Backend.CUDA) is None  # 8 splits: left to the partials, no group made
     monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "1")
     assert linear.cluster_shard([one], Backend.TORCH) is None
     assert linear.cluster_shard([one, one], Backend.CUDA) is None
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_group is reached (needs CUDA)
+        linear.cluster_shard([one], Backend.CUDA)
+    monkeypatch.setattr(ck, "single_wg_cluster", lambda kt, nt, device: 1)
+    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "one-split")
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):
         linear.cluster_shard([one], Backend.CUDA)
     ran = []
     monkeypatch.setattr(linear, "run_group", lambda x, shards, group: (ran.append(group),
@@ -448,3 +459,19 @@ def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
     monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(2 * 256 * 256))
     with pytest.raises(ValueError, match="contiguous CUDA int16"):
         linear.one_launch_shards([one, one], Backend.CUDA)
+
+
+def test_single_linear_wgmma_splits_match_its_one_source_group(monkeypatch):
+    """single_wg_cluster (what cluster_shard asks before making a group) is the wg_cluster make_group would give a
+    one-source group: o and down of Llama-3-8B at 8 splits, a 28672-wide linear at one, an lm_head none (it already
+    runs at one split)."""
+    from sglang_exl3.kernels import cuda_trellis as ck
+
+    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
+    cpu = torch.device("cpu")
+    assert ck.single_wg_cluster(256, 256, cpu) == 8  # 4096 x 4096
+    assert ck.single_wg_cluster(896, 256, cpu) == 8  # 14336 -> 4096
+    assert ck.single_wg_cluster(256, 1792, cpu) == 1  # 4096 -> 28672: 224 column blocks fill the SMs
+    assert ck.single_wg_cluster(256, 8016, cpu) == 0  # 4096 -> 128256
+    assert ck.cluster_splits([8, 8]) == 8 and ck.cluster_splits([8, 4]) == 0 and ck.cluster_splits([16]) == 0
+    assert ck.cluster_splits(None) == 0

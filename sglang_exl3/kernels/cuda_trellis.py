@@ -789,7 +789,7 @@ def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[tor
     return Exl3Group(table=table, num=len(tiles), k_tiles=kt, total_items=item, total_cols=col, partial_per_row=base,
                      k2=k2, codebook=int(codebook), sources=(tuple(tiles), tuple(suh), tuple(svh)),
                      max_slice=max(-(-kt // src[4]) for src in sources), ring_counters=counters, wg_items=wg_item,
-                     wg_partial_per_row=wg_base, wg_cluster=wg[0] if wg and len(set(wg)) == 1 and wg[0] <= 8 else 0)
+                     wg_partial_per_row=wg_base, wg_cluster=cluster_splits(wg))
 
 
 def wg_splits(n_tiles: list[int], splits: list[int], device: torch.device) -> list[int] | None:
@@ -809,6 +809,17 @@ def wg_splits(n_tiles: list[int], splits: list[int], device: torch.device) -> li
     if fewer == list(splits) or 2 * blocks < sms:
         return None
     return fewer
+
+
+def cluster_splits(wg: list[int] | None) -> int:
+    """Exl3Group.wg_cluster for wgmma rows at these splits (wg_splits): their shared split count where a cluster
+    holds it (at most 8), else 0."""
+    return wg[0] if wg and len(set(wg)) == 1 and wg[0] <= 8 else 0
+
+
+def single_wg_cluster(k_tiles: int, n_tiles: int, device: torch.device) -> int:
+    """wg_cluster of a single linear's one-source group at default splits, without making the group."""
+    return cluster_splits(wg_splits([n_tiles], [default_splits(k_tiles, n_tiles, device)], device))
 
 
 def group_table(sources: list[tuple[int, int, int, int, int]]) -> tuple[list[list[int]], int, int, int]:

@@ -148,11 +148,12 @@ def cluster_shard(shards: list[Exl3Shard], backend: Backend):
     mode = knobs.get("WG_CLUSTER")
     if backend != Backend.CUDA or len(shards) != 1 or mode == "0" or not _share_launches(shards):
         return None
-    from sglang_exl3.kernels.cuda_trellis import cluster_form_for, make_group
+    from sglang_exl3.kernels.cuda_trellis import cluster_form_for, make_group, single_wg_cluster
 
     s = shards[0]
-    group = make_group([s.trellis], [s.suh], [s.svh], s.codebook)
-    return group if cluster_form_for(group.wg_cluster, mode) else None
+    if not cluster_form_for(single_wg_cluster(s.trellis.shape[1], s.trellis.shape[0], s.trellis.device), mode):
+        return None
+    return make_group([s.trellis], [s.suh], [s.svh], s.codebook)
 
 
 def layer_weights(shards: list[Exl3Shard]) -> int:
