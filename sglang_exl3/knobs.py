@@ -115,6 +115,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PDL", True, "flag", help="our CUDA kernels: the one-launch linears and the MoE decode forward launch as "
          "programmatic dependents of the kernel before them (their first weight loads overlap its end); 0: plain "
          "launches, the same values. For A/B measurements"),
+    Knob("PDL_THREE_LAUNCH", False, "flag", help="our CUDA kernels: the three-launch path's input and output "
+         "rotations and its x-slice GEMM (up to 64 rows) launch as programmatic dependents, each waiting only where "
+         "it reads the launch before it (the GEMM's first weight loads ahead of that); the same values. At batch 1 "
+         "three launches took 268 µs less kernel time per step than the one launch and lost it to their launch gaps "
+         "(H100). Not yet measured. For A/B measurements"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

@@ -346,6 +346,25 @@ def test_rotation_form_switch_returns_the_previous_form(compiled):
     assert lib.exl3_set_octet_min_items(77) == before and lib.exl3_set_octet_min_items(before) == 77
 
 
+@pytest.mark.slow
+def test_plain_pdl_switch_returns_the_previous_setting(compiled):
+    """exl3_set_plain_pdl turns the three-launch path's programmatic launches on (1) or off (0), answers a negative
+    value without changing anything, and rejects other values."""
+    lib = compiled
+    assert lib.exl3_set_plain_pdl(2) == -3
+    before = lib.exl3_set_plain_pdl(-1)
+    assert lib.exl3_set_plain_pdl(1) == before and lib.exl3_set_plain_pdl(-1) == 1
+    assert lib.exl3_set_plain_pdl(0) == 1 and lib.exl3_set_plain_pdl(before) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value, code", [("1", 1), ("0", 0), ("", 0)])
+def test_three_launch_pdl_knob_is_applied_when_the_library_loads(compiled_library, monkeypatch, value, code):
+    monkeypatch.setenv("SGLANG_EXL3_PDL_THREE_LAUNCH", value)
+    lib = ck._open_library.__wrapped__(str(compiled_library))
+    assert lib.exl3_set_plain_pdl(-1) == code
+
+
 def test_pinned_rotation_form_names_the_forms():
     with pytest.raises(ValueError, match="auto.*octet.*warp"), ck.pinned_had_form("fast"):
         pass

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 26
+ABI_VERSION = 27
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -255,6 +255,8 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_quantize_tiles_fast_scratch.argtypes = [i]
     lib.exl3_set_octet_min_items(OCTET_MIN_ITEMS)
     lib.exl3_set_had_form(HAD_FORMS[knobs.get("ROTATION_FORM")])
+    lib.exl3_set_plain_pdl.argtypes = [i]
+    lib.exl3_set_plain_pdl(int(knobs.get("PDL_THREE_LAUNCH")))
     lib.exl3_wgmma_available.argtypes = []
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]
@@ -374,6 +376,19 @@ HAD_FORMS = {"auto": 0, "warp": 1, "octet": 2}
 # except over fp32 split-K partials. H100, rotation-ab: had_out of one fp16 split 1.38-1.47x at 7,168-8,192 blocks and
 # 2.0-2.3x above; had_in 1.00-1.03x there and 1.17-1.32x above; the octet form 0.70-0.96x at 2,048 and below
 OCTET_MIN_ITEMS = 4096
+
+
+@contextmanager
+def pinned_plain_pdl(on: bool) -> Iterator[None]:
+    """The three-launch path's rotations and x-slice GEMMs launched inside go as programmatic dependents (True) or
+    plain launches (False); SGLANG_EXL3_PDL_THREE_LAUNCH sets it for the process when the library loads. The same
+    bits either way; for A/B measurements and tests. A CUDA graph keeps the launches it was captured with."""
+    lib = load_library()
+    before = lib.exl3_set_plain_pdl(int(on))
+    try:
+        yield
+    finally:
+        lib.exl3_set_plain_pdl(before)
 
 
 @contextmanager

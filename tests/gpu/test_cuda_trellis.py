@@ -575,6 +575,45 @@ def test_one_launch_captures_and_replays_in_a_cuda_graph():
             assert not one.counters.any()
 
 
+@pytest.mark.parametrize("cb", [Codebook.MUL1, Codebook.MCG])
+def test_three_launches_as_programmatic_dependents_are_bit_identical(cb):
+    """With the three-launch path's launches as programmatic dependents (SGLANG_EXL3_PDL_THREE_LAUNCH), a single
+    linear and a q/k/v-like group write what plain launches write at 1-64 rows (x-slice, ring and wgmma GEMMs between
+    the rotations), bf16, both rotation forms; and two linears chained in a CUDA graph (the second's input rotation
+    reads the first's output rotation) replay on fresh x as eager plain launches compute."""
+    k = 1024
+    srcs = [_case(k, n, 4, 64, seed=120 + i) for i, n in enumerate((1024, 128, 128))]
+    tiles = [ck.prepare(t.cuda()) for t, _, _, _ in srcs]
+    suh, svh = [s.cuda() for _, s, _, _ in srcs], [v.cuda() for _, _, v, _ in srcs]
+    group = ck.make_group(tiles, suh, svh, cb)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(12)).bfloat16().cuda()
+    for form in ("warp", "octet"):
+        with ck.pinned_had_form(form):
+            for m in (1, 4, 8, 16, 33, 64):
+                want = (ck.exl3_linear(x[:m], tiles[0], suh[0], svh[0], cb), ck.group_linear(x[:m], group))
+                with ck.pinned_plain_pdl(True):
+                    got = (ck.exl3_linear(x[:m], tiles[0], suh[0], svh[0], cb), ck.group_linear(x[:m], group))
+                for g, w, what in zip(got, want, ("single", "group"), strict=True):
+                    assert torch.equal(g.view(torch.int16), w.view(torch.int16)), f"{what} {form} m={m}"
+
+    def chain(inp: torch.Tensor) -> torch.Tensor:
+        return ck.exl3_linear(ck.exl3_linear(inp, tiles[0], suh[0], svh[0], cb), tiles[0], suh[0], svh[0], cb)
+
+    with ck.pinned_plain_pdl(True):
+        static_x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+        chain(static_x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = chain(static_x)
+    for seed in (1, 2):
+        fresh = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y.view(torch.int16), chain(fresh).view(torch.int16)), seed
+
+
 def test_group_rejects_mismatched_sources():
     a = ck.prepare(_trellis(8, 8, 4, seed=1).cuda())
     b = ck.prepare(_trellis(8, 8, 3, seed=2).cuda())

@@ -28,6 +28,51 @@ constexpr int kWarps = 4;  // warps per block in the GEMM and reconstruct kernel
 constexpr int kDepth = 4;  // k-tiles per trellis load group in the GEMMs (double-buffered in registers)
 constexpr float kRScale = 0.088388347648f;  // exllamav3's fp32 literal for 1/sqrt(128)
 
+// ---- programmatic dependent launch (PDL) ---------------------------------------------------------
+// A kernel launched as a programmatic dependent may start while the launch before it still runs; it must wait
+// (griddepcontrol.wait: until that launch has finished and its writes are visible) before it reads anything an
+// earlier launch wrote. Without the launch attribute the wait returns at once, so the same kernel serves both.
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, warps * 32, smem, stream>>>(args...), as a programmatic dependent of the launch before it when `pdl`
+template <typename... Params, typename... Args>
+int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pdl, cudaStream_t stream,
+              Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(warps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = pdl ? attr : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// The three-launch path's launches (the rotations and the x-slice GEMM, whose kernels wait before they read x or
+// partials) go as programmatic dependents where exl3_set_plain_pdl turned that on: each is scheduled as the launch
+// before it drains, so the gap between them shrinks, and the GEMM issues its first weight loads before its wait.
+int g_plain_pdl = 0;
+template <typename P>
+using elem_t = std::remove_cv_t<std::remove_pointer_t<P>>;  // T of a T* (launch_plain's template arguments)
+template <typename... Params, typename... Args>
+void launch_plain(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, Args... args) {
+  if (g_plain_pdl) launch_ex(kernel, grid, threads / 32, smem, true, stream, args...);
+  else kernel<<<grid, threads, smem, stream>>>(args...);
+}
+
 // ---- compile-time geometry of one lane's bits --------------------------------------------------
 
 __host__ __device__ constexpr int words32(int k2) { return 4 * k2; }
@@ -521,7 +566,11 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_xs_kernel(const half* __rest
                                                               int n_tiles, int splits) {
   extern __shared__ uint4 xs[];
   const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  gemm_warp<K2, CB, MT, DEPTH, true>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item, xs);
+  auto stage = [&](int kt0, int kt1) {  // the first weight loads are in flight; x comes from the launch before
+    pdl_wait();
+    return stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs);
+  };
+  gemm_warp<K2, CB, MT, DEPTH, true>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item, xs, stage);
 }
 
 // ---- the GEMM with x streamed through a shared-memory ring ------------------------------------------------
@@ -1016,8 +1065,13 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* 
   int s, local;
   if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
-  gemm_warp<K2, CB, MT, DEPTH, true>(xh_all + (size_t)s * m * k_tiles * 16, src.tiles, partial + src.partial_base * m,
-                                     m, k_tiles, src.n_tiles, src.splits, local, xs);
+  const half* xh = xh_all + (size_t)s * m * k_tiles * 16;
+  auto stage = [&](int kt0, int kt1) {  // as gemm_xs_kernel's
+    pdl_wait();
+    return stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs);
+  };
+  gemm_warp<K2, CB, MT, DEPTH, true>(xh, src.tiles, partial + src.partial_base * m, m, k_tiles, src.n_tiles,
+                                     src.splits, local, xs, stage);
 }
 
 // Routed groups: source p of bank b = (pair p's expert, x row p / x_row_div); sizes per source are uniform
@@ -1377,6 +1431,7 @@ __device__ __forceinline__ void had_out_block(const T* __restrict__ acc, size_t 
 template <typename T>
 __global__ void had_in_kernel(const T* __restrict__ x, const half* __restrict__ suh, half* __restrict__ out,
                               int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128;
   if (item >= rows * blocks) return;
@@ -1389,6 +1444,7 @@ __global__ void had_in_kernel(const T* __restrict__ x, const half* __restrict__ 
 template <typename T, typename O>
 __global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict__ svh, O* __restrict__ out,
                                int splits, int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128;
   if (item >= rows * blocks) return;
@@ -1401,6 +1457,7 @@ __global__ void had_out_kernel(const T* __restrict__ acc, const half* __restrict
 template <typename T>
 __global__ void had_in_group_kernel(const T* __restrict__ x, const GroupSource* __restrict__ srcs, int num,
                                     half* __restrict__ xh_all, int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = cols / 128, per_source = rows * blocks;
   if (item >= num * per_source) return;
@@ -1415,6 +1472,7 @@ __global__ void had_in_group_kernel(const T* __restrict__ x, const GroupSource* 
 template <typename O>
 __global__ void had_out_group_kernel(const float* __restrict__ partial, const GroupSource* __restrict__ srcs, int num,
                                      O* __restrict__ out, int rows, int total_cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const int item = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int blocks = total_cols / 128;
   if (item >= rows * blocks) return;
@@ -1598,6 +1656,7 @@ __device__ __forceinline__ OctetBlock octet_block(long long item, int rows, int 
 template <typename T>
 __global__ void __launch_bounds__(256) had_in_octet_kernel(const T* __restrict__ x, const half* __restrict__ suh,
                                                            half* __restrict__ out, int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const Octet o = octet_here();
   const OctetBlock b = octet_block(o.item, rows, cols);
   had_in_octet(x + b.at, suh + b.c0, out + b.at, b.valid, o.sm, o.t);
@@ -1606,6 +1665,7 @@ __global__ void __launch_bounds__(256) had_in_octet_kernel(const T* __restrict__
 template <typename T, typename O>
 __global__ void __launch_bounds__(256) had_out_octet_kernel(const T* __restrict__ acc, const half* __restrict__ svh,
                                                             O* __restrict__ out, int splits, int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const Octet o = octet_here();
   const OctetBlock b = octet_block(o.item, rows, cols);
   had_out_octet(acc + b.at, (size_t)rows * cols, splits, svh + b.c0, out + b.at, b.valid, o.sm, o.t);
@@ -1615,6 +1675,7 @@ template <typename T>
 __global__ void __launch_bounds__(256) had_in_group_octet_kernel(const T* __restrict__ x,
                                                                  const GroupSource* __restrict__ srcs, int num,
                                                                  half* __restrict__ xh_all, int rows, int cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const Octet o = octet_here();
   const OctetBlock b = octet_block(o.item, num * rows, cols);  // xh_all is [num * rows, cols]
   const long long row = (long long)(b.at / cols);
@@ -1628,6 +1689,7 @@ template <typename O>
 __global__ void __launch_bounds__(256) had_out_group_octet_kernel(const float* __restrict__ partial,
                                                                   const GroupSource* __restrict__ srcs, int num,
                                                                   O* __restrict__ out, int rows, int total_cols) {
+  pdl_wait();  // x or partials come from the launch before (launch_plain)
   const Octet o = octet_here();
   const int blocks = total_cols / 128;
   bool valid = o.item < (long long)rows * blocks;
@@ -1660,9 +1722,10 @@ void launch_had_in_group(const T* x, const GroupSource* srcs, int num, half* xh_
                          cudaStream_t s) {
   const long long items = (long long)num * rows * (cols / 128);
   if (use_octet(items, false))
-    had_in_group_octet_kernel<<<octet_grid(items), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
+    launch_plain(had_in_group_octet_kernel<T>, dim3(octet_grid(items)), 256, 0, s, x, srcs, num, xh_all, rows, cols);
   else
-    had_in_group_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(x, srcs, num, xh_all, rows, cols);
+    launch_plain(had_in_group_kernel<T>, dim3((unsigned)((items + 7) / 8)), 256, 0, s, x, srcs, num, xh_all, rows,
+                 cols);
 }
 
 // ---- fused MoE stages: the glue between the grouped GEMMs folded into their rotations ------------------
@@ -1910,16 +1973,6 @@ struct MoeDecodeArgs {  // by value: a captured launch keeps its own copy
   int ids_bytes, pairs, topk, hidden, inter, gu_splits, dn_splits, gelu, out_kind;
 };
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // Rows [0, xs_rows(m, MT)) of the x slice [kt0, kt1) (whole 128-blocks) = had_in(x * suh), laid out as stage_x lays
 // them out; rows past m zero (MT > 2) or absent (the ldmatrix addresses of MT <= 2 re-read row 0, as stage_x's do).
@@ -2279,7 +2332,7 @@ int launch_with_smem(int m, int smem, dim3 grid, cudaStream_t stream, KernelOf k
   return with_row_groups(m, [&](auto mt) {
     auto kernel = kernel_of(mt);
     allow_smem(kernel, smem);
-    kernel<<<grid, kWarps * 32, smem, stream>>>(args...);
+    launch_plain(kernel, grid, kWarps * 32, smem, stream, args...);
   });
 }
 
@@ -2425,23 +2478,6 @@ int launch_variant_gemm_group(const half* xh_all, const GroupSource* srcs, int n
     gemm_group_kernel<K2, CB, decltype(mt)::value, kDepth><<<grid, block, 0, stream>>>(xh_all, srcs, num, partial, m,
                                                                                        kt, total_items);
   });
-}
-
-// kernel<<<grid, warps * 32, smem, stream>>>(args...), as a programmatic dependent of the launch before it when `pdl`
-template <typename... Params, typename... Args>
-int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pdl, cudaStream_t stream,
-              Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(warps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = pdl ? attr : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 template <int K2, int CB>
@@ -2612,9 +2648,11 @@ int exl3_had_in(const void* x, int x_bf16, const void* suh, void* out, int rows,
   auto s = (cudaStream_t)stream;
   auto launch = [&](auto* xp) {
     if (use_octet(items, false))
-      had_in_octet_kernel<<<octet_grid(items), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
+      launch_plain(had_in_octet_kernel<elem_t<decltype(xp)>>, dim3(octet_grid(items)), 256, 0, s, xp,
+                   (const half*)suh, (half*)out, rows, cols);
     else
-      had_in_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(xp, (const half*)suh, (half*)out, rows, cols);
+      launch_plain(had_in_kernel<elem_t<decltype(xp)>>, dim3((unsigned)((items + 7) / 8)), 256, 0, s, xp,
+                   (const half*)suh, (half*)out, rows, cols);
   };
   if (x_bf16) launch((const __nv_bfloat16*)x);
   else launch((const half*)x);
@@ -2630,9 +2668,11 @@ int exl3_had_out(const void* acc, int acc_is_fp32, const void* svh, void* out, i
   auto launch = [&](auto* o) {
     auto run = [&](auto* a) {
       if (use_octet(items, acc_is_fp32))
-        had_out_octet_kernel<<<octet_grid(items), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
+        launch_plain(had_out_octet_kernel<elem_t<decltype(a)>, elem_t<decltype(o)>>, dim3(octet_grid(items)), 256, 0,
+                     s, a, (const half*)svh, o, splits, rows, cols);
       else
-        had_out_kernel<<<(unsigned)((items + 7) / 8), 256, 0, s>>>(a, (const half*)svh, o, splits, rows, cols);
+        launch_plain(had_out_kernel<elem_t<decltype(a)>, elem_t<decltype(o)>>, dim3((unsigned)((items + 7) / 8)), 256,
+                     0, s, a, (const half*)svh, o, splits, rows, cols);
     };
     if (acc_is_fp32) run((const float*)acc);
     else run((const half*)acc);
@@ -2682,9 +2722,11 @@ int exl3_group_linear(const void* x, int x_bf16, const void* table, int num, voi
   if (code != 0 || c != nullptr) return code;
   auto rotate_out = [&](auto* o) {
     if (use_octet(out_items, true))
-      had_out_group_octet_kernel<<<octet_grid(out_items), 256, 0, s>>>(p, srcs, num, o, m, total_cols);
+      launch_plain(had_out_group_octet_kernel<elem_t<decltype(o)>>, dim3(octet_grid(out_items)), 256, 0, s, p, srcs,
+                   num, o, m, total_cols);
     else
-      had_out_group_kernel<<<(out_items + 7) / 8, 256, 0, s>>>(p, srcs, num, o, m, total_cols);
+      launch_plain(had_out_group_kernel<elem_t<decltype(o)>>, dim3((out_items + 7) / 8), 256, 0, s, p, srcs, num, o, m,
+                   total_cols);
   };
   if (y_bf16) rotate_out((__nv_bfloat16*)out);
   else rotate_out((half*)out);
@@ -3009,6 +3051,16 @@ int exl3_set_had_form(int form) {
   return before;
 }
 
+// The three-launch path's rotations and x-slice GEMMs as programmatic dependents (1) or plain launches (0), for every
+// later launch of the process (launch_plain; the same bits either way); a negative value only asks. Returns the
+// previous setting, or -3.
+int exl3_set_plain_pdl(int on) {
+  if (on > 1) return -3;
+  const int before = g_plain_pdl;
+  if (on >= 0) g_plain_pdl = on;
+  return before;
+}
+
 // The size (in 128-blocks of one launch) from which kHadFormAuto takes the octet form; returns the previous one
 long long exl3_set_octet_min_items(long long items) {
   const long long before = g_octet_min_items;
@@ -3032,7 +3084,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 26; }
+int exl3_abi_version(void) { return 27; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
