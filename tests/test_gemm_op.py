@@ -246,6 +246,7 @@ def test_single_linear_cluster_form_only_with_its_knob(monkeypatch):
     apply_shards runs that group only at the rows the form serves."""
     from types import SimpleNamespace
 
+    from sglang_exl3.kernels import cuda_trellis as ck
     from sglang_exl3.kernels.cuda_trellis import prepare
     from sglang_exl3.layers import linear
     from sglang_exl3.layers.shard import Exl3Shard
@@ -253,9 +254,6 @@ def test_single_linear_cluster_form_only_with_its_knob(monkeypatch):
     t, s, v = _layer(0, k=256, n=256, bits=3)
     one = Exl3Shard(key="o", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=256,
                     kernel_layout=True)
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)  # an H100's
     monkeypatch.setattr(ck, "single_wg_cluster", lambda kt, nt, device: 8)  # o / down on the H100: 16 -> 8 splits
     monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "0")
     assert linear.cluster_shard([one], Backend.CUDA) is None  # knob off

@@ -142,7 +142,7 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
 
 def cluster_shard(shards: list[Exl3Shard], backend: Backend):
     """A single linear as a one-source group for the wgmma ring's cluster form (SGLANG_EXL3_WG_CLUSTER, read at
-    load), so that its 33-64 rows skip the split-K partials as a group's do; None without the knob, for several
+    load), so that its 33-64 rows skip the split-K partials as a group's do; None with the knob at 0, for several
     shards (their group has the form), or where the knob's mode does not take the source's wgmma splits (an
     lm_head has none; o and down keep 8, which one-split leaves to the partials)."""
     mode = knobs.get("WG_CLUSTER")
