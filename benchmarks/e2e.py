@@ -83,6 +83,21 @@ def measure(base: str, vocab: int) -> dict:
 PROFILE_BATCHES = (1, 64)
 
 
+def variant_settings(variant: str) -> tuple[dict[str, str], list[str]]:
+    """A --variant's environment and server flags: VAR=VALUE items set the environment, --flag=VALUE items are
+    passed to the server (e.g. --max-total-tokens=424000 to give it the twin's KV pool)."""
+    env, flags = {}, []
+    for item in variant.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--variant items are VAR=VALUE or --flag=VALUE, got {item!r}")
+        if key.startswith("--"):
+            flags += [key, value]
+        else:
+            env[key] = value
+    return env, flags
+
+
 def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: Path, port: int,
                       profile_steps: int = 0, serving: tuple[int, ...] = (),
                       profile_batches: tuple[int, ...] = PROFILE_BATCHES) -> dict:
@@ -173,8 +188,8 @@ def main() -> int:
     ap.add_argument("--serving-concurrency", default="", metavar="C[,C]",
                     help="also run python -m sglang.benchmark.serving (random-ids) at these concurrencies per server")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
-                    help="serve the first EXL3 model again with these SGLANG_EXL3_* settings (repeatable): an A/B in "
-                         "the same run")
+                    help="serve the first EXL3 model again with these SGLANG_EXL3_* settings, or server flags as "
+                         "--flag=VALUE (repeatable; pass as --variant=...): an A/B in the same run")
     args = ap.parse_args()
     if args.replot:
         data = json.loads(args.replot.read_text())
@@ -215,8 +230,8 @@ def main() -> int:
             add(serve_and_measure(ckpt, f"exl3-{bits}bpw", ["--quantization", "exl3"], exl3_env, work, 32000 + i,
                                   **measured))
         for j, variant in enumerate(args.variant if i == 0 and not args.twin_only else []):
-            env = dict(kv.split("=", 1) for kv in variant.split(","))
-            add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3"],
+            env, flags = variant_settings(variant)
+            add(serve_and_measure(ckpt, f"exl3-{bits}bpw ({variant})", ["--quantization", "exl3", *flags],
                                   {**exl3_env, **env}, work, 32200 + j, **measured))
         if i == 0 and not args.skip_bf16 and args.twin == "dequantized":
             dense = work / f"{args.shape}-bf16"

@@ -94,11 +94,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("ONE_LAUNCH_MAX_M", "1", "choice", tuple(str(m) for m in range(17)), "dense linears and fused q/k/v, "
          "gate/up layers (not the lm_head) on our CUDA kernels with at most this many rows run as one launch, the "
          "input and output rotations folded into the GEMM; 0: three launches at every m"),
-    Knob("ONE_LAUNCH_MAX_WEIGHTS", None, "positive_int", help="the one- and two-launch forms only for layers of "
-         "at most this many weights per rank (K x N over the sources; unset: any size). As CUDA-graph replays three "
-         "launches beat one on large layers (4096 x 4096: 0.89x, 1536 x 8192: 0.79x) and lose on small ones "
-         "(1536 x 2560: 1.12x); end to end at batch 1 4194304 measured 1.027x on an H100, not yet on an H200. For "
-         "A/B measurements", maximum=1 << 40),
+    Knob("ONE_LAUNCH_MAX_WEIGHTS", 4194304, "positive_int", help="the one- and two-launch forms only for layers "
+         "of at most this many weights per rank (K x N over the sources); larger layers run three launches. As "
+         "CUDA-graph replays three launches beat one on large layers (4096 x 4096: 0.89x, 1536 x 8192: 0.79x) and "
+         "lose on small ones (1536 x 2560: 1.12x); end to end on Llama-3-8B (every linear above 4194304) three "
+         "programmatic launches decode 1.046x faster at batch 1 (H100)", maximum=1 << 40),
     Knob("TWO_LAUNCH_MAX_M", "0", "choice", tuple(str(m) for m in range(17)), "the same layers with more rows than "
          "ONE_LAUNCH_MAX_M and at most this many run as two launches: x rotated once, then the GEMM that rotates its "
          "own output; 0: three launches above ONE_LAUNCH_MAX_M"),
@@ -116,11 +116,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("PDL", True, "flag", help="our CUDA kernels: the one-launch linears and the MoE decode forward launch as "
          "programmatic dependents of the kernel before them (their first weight loads overlap its end); 0: plain "
          "launches, the same values. For A/B measurements"),
-    Knob("PDL_THREE_LAUNCH", False, "flag", help="our CUDA kernels: the three-launch path's input and output "
+    Knob("PDL_THREE_LAUNCH", True, "flag", help="our CUDA kernels: the three-launch path's input and output "
          "rotations and its x-slice GEMM (up to 64 rows) launch as programmatic dependents, each waiting only where "
-         "it reads the launch before it (the GEMM's first weight loads ahead of that); the same values. At batch 1 "
-         "three launches took 268 µs less kernel time per step than the one launch and lost it to their launch gaps "
-         "(H100). Not yet measured. For A/B measurements"),
+         "it reads the launch before it (the GEMM's first weight loads ahead of that); the same values. Batch 1 "
+         "step 4,066 against 4,294 µs with plain launches (H100); 0: plain launches, for A/B measurements"),
     Knob("EMBED_ONLINE_BITS", None, "choice", ("8", "6"), "the input embedding table held as int8 or int6 with a "
          "scale per row, encoded at load (unset: BF16 as in the checkpoint)", vllm_name="VLLM_EXL3_EMBED_ONLINE_BITS"),
     Knob("CHECK_OUTPUTS", False, "flag", help="debugging: recompute every eager EXL3 linear/MoE forward from its "

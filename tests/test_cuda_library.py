@@ -358,7 +358,7 @@ def test_plain_pdl_switch_returns_the_previous_setting(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("value, code", [("1", 1), ("0", 0), ("", 0)])
+@pytest.mark.parametrize("value, code", [("1", 1), ("0", 0), ("", 1)])
 def test_three_launch_pdl_knob_is_applied_when_the_library_loads(compiled_library, monkeypatch, value, code):
     monkeypatch.setenv("SGLANG_EXL3_PDL_THREE_LAUNCH", value)
     lib = ck._open_library.__wrapped__(str(compiled_library))

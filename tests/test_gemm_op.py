@@ -437,8 +437,8 @@ def test_rotation_tables_follow_the_slab_order_and_copy_only_for_several_tiers()
 
 
 def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
-    """With SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS set, the one-launch form is offered only to layers of at most that many
-    weights on this rank (K x N over the sources); unset, to any size."""
+    """The one-launch form is offered only to layers of at most SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights on this
+    rank (K x N over the sources): 4194304 by default, so every Llama-3-8B linear runs three launches."""
     from sglang_exl3.kernels.cuda_trellis import prepare
     from sglang_exl3.layers import linear
     from sglang_exl3.layers.shard import Exl3Shard
@@ -448,8 +448,10 @@ def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
                     kernel_layout=True)
     assert linear.layer_weights([one]) == 256 * 256
     assert linear.layer_weights([one, one]) == 2 * 256 * 256
-    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # unset: make_one_launch is reached
-        linear.one_launch_shards([one, one], Backend.CUDA)
+    monkeypatch.delenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", raising=False)
+    assert linear.one_launch_shards([one] * 65, Backend.CUDA) is None  # 4,259,840 weights: over the default
+    with pytest.raises(ValueError, match="contiguous CUDA int16"):  # 4,194,304: make_one_launch is reached
+        linear.one_launch_shards([one] * 64, Backend.CUDA)
     monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(256 * 256))
     assert linear.one_launch_shards([one, one], Backend.CUDA) is None  # over the budget
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # within it: make_one_launch is reached

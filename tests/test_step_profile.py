@@ -128,3 +128,15 @@ def test_e2e_prompts_stay_inside_the_vocabulary():
     assert len(small) == 64 and {len(p) for p in small} == {2048}
     assert min(map(min, small)) >= 100 and max(map(max, small)) < 8192
     assert max(map(max, prompt_ids(64, 32, 37, 11, vocab=128256))) < 120100
+
+
+def test_e2e_variant_splits_environment_from_server_flags():
+    """A --variant's VAR=VALUE items go to the server's environment, its --flag=VALUE items to its command line, and a
+    malformed item stops the run naming it."""
+    from benchmarks.e2e import variant_settings
+
+    env, flags = variant_settings("SGLANG_EXL3_PDL=0,--max-total-tokens=424000")
+    assert env == {"SGLANG_EXL3_PDL": "0"} and flags == ["--max-total-tokens", "424000"]
+    assert variant_settings("A=1,B=x=y") == ({"A": "1", "B": "x=y"}, [])
+    with pytest.raises(SystemExit, match="'SGLANG_EXL3_PDL'"):
+        variant_settings("SGLANG_EXL3_PDL")

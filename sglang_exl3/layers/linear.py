@@ -167,12 +167,12 @@ def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool =
     folded in, and as two (x rotated first) up to SGLANG_EXL3_TWO_LAUNCH_MAX_M rows; None where both knobs are 0,
     they cannot share it, and for the lm_head: each of its ~2,400 blocks re-rotates all of x (one split), which
     measured 7% slower than three launches at m = 1 (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936);
-    and for layers of more than SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights when it is set (an A/B)."""
+    and for layers of more than SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights (4194304 by default), where three
+    programmatic launches are faster (benchmarks/results/e2e-pdl-ab-h100-80gb-hbm3.md)."""
     max_m, two_max_m = int(knobs.get("ONE_LAUNCH_MAX_M")), int(knobs.get("TWO_LAUNCH_MAX_M"))
     if backend != Backend.CUDA or lm_head or max(max_m, two_max_m) == 0 or not _share_launches(shards):
         return None
-    most = knobs.get("ONE_LAUNCH_MAX_WEIGHTS")
-    if most is not None and layer_weights(shards) > most:
+    if layer_weights(shards) > knobs.get("ONE_LAUNCH_MAX_WEIGHTS"):
         return None
     from sglang_exl3.kernels.cuda_trellis import make_one_launch
 
