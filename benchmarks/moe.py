@@ -54,7 +54,8 @@ COLUMNS = ["m", "bits", "ours_us", "exllamav3_us", "bf16_us", "marlin_us", "ours
            "ours_vs_marlin"]
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
-                 "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_dense_us",
+                 "ours_pairs_staged_us", "ours_sorted_us", "ours_sorted_staged_us", "ours_sorted_split_us",
+                 "ours_dense_us",
                  "ours_rotated_us", "ours_rotated_decode_us", "ours_rotated_glue_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -245,6 +246,8 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
             for name, fn in (("pairs", routed_moe), ("sorted", sorted_moe)):  # fused, and stage by stage
                 row[f"ours_{name}_us"] = graph_us(forward(fn), ROUTINGS, calls=ROUTINGS)
                 row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
+            # the sorted sources split along K while their tiles fill less than a wave (not yet the dispatch's)
+            row["ours_sorted_split_us"] = graph_us(forward(sorted_moe, split_k=True), ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
 
             def rotated(i, xs=xs, routes=routes):  # W_hat slab + SGLang's Triton GEMM between our rotations

@@ -136,11 +136,13 @@ def test_source_compiles_and_abi_rejects_bad_arguments(compiled):
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 0, 256, None) == -3  # top-0
     assert lib.exl3_slab_tail(None, None, 4, None, None, None, 2, 4, 320, None) == -3  # H not whole blocks
     lib.exl3_sorted_tables.argtypes = [p, i, p, p, i, i, p, i, p]
-    one = (ctypes.c_longlong * 4)(1, 48, 0, 0)  # a bank: rows pointer, n_tiles, items and columns before it
+    one = (ctypes.c_longlong * 6)(1, 48, 0, 0, 0, 1)  # a bank: rows, n_tiles, items, columns, partials, splits
     assert lib.exl3_sorted_tables(one, 0, 1, 1, 4, 8, 1, 1, None) == -3  # no banks
     assert lib.exl3_sorted_tables(one, 1, 1, 1, 0, 8, 1, 1, None) == -3  # no sources
     assert lib.exl3_sorted_tables(one, 1, None, 1, 4, 8, 1, 1, None) == -3  # no tile experts
-    assert lib.exl3_sorted_tables((ctypes.c_longlong * 4)(1, 0, 0, 0), 1, 1, 1, 4, 8, 1, 1, None) == -3  # 0 tiles
+    assert lib.exl3_sorted_tables((ctypes.c_longlong * 6)(1, 0, 0, 0, 0, 1), 1, 1, 1, 4, 8, 1, 1, None) == -3  # 0 tiles
+    no_splits = (ctypes.c_longlong * 6)(1, 48, 0, 0, 0, 0)
+    assert lib.exl3_sorted_tables(no_splits, 1, 1, 1, 4, 8, 1, 1, None) == -3
 
 
 @pytest.mark.slow

@@ -74,6 +74,28 @@ def test_table_owns_items_for_filled_tiles_only():
     assert table[s:, 5].tolist() == [first_up_item + i * 16 for i in range(filled)] + \
         [first_up_item + filled * 16] * (s - filled)
     assert table[s:, 6].tolist() == [s * 768 + i * 256 for i in range(s)]
+    assert table[:, 7].tolist() == table[:, 6].tolist()  # unsplit: a source's partials are its columns
+
+
+def test_split_table_numbers_items_and_partials_per_split():
+    """With K splits (split_k), a filled tile owns n_tiles x splits work items and splits [tile, N] partial blocks,
+    while its output columns stay where they were; empty tiles still own none."""
+    experts, tile, k_splits = 5, 8, 3
+    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, 1),
+                               n_tiles=nt, k_tiles=48, splits=1, k2=4, codebook=1)
+             for b, nt in enumerate((48, 16))]
+    plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), experts, tile)
+    (t,) = sorted_tables([banks], plan, splits=[k_splits])
+    table, s, filled = t.table, plan.sources, int(plan.filled)
+    assert (t.items, t.cols, t.part) == (s * 64 * k_splits, s * 1024, s * 1024 * k_splits)
+    assert table[:filled, 3].tolist() == [ck.pack_tiles_splits(48, k_splits)] * filled
+    assert table[filled:s, 3].tolist() == [ck.pack_tiles_splits(0, k_splits)] * (s - filled)
+    first_up_item = filled * 48 * k_splits
+    assert table[:s, 5].tolist() == [i * 48 * k_splits for i in range(filled)] + [first_up_item] * (s - filled)
+    assert table[s:, 5].tolist() == [first_up_item + i * 16 * k_splits for i in range(filled)] + \
+        [first_up_item + filled * 16 * k_splits] * (s - filled)
+    assert table[s:, 6].tolist() == [s * 768 + i * 256 for i in range(s)]
+    assert table[s:, 7].tolist() == [s * 768 * k_splits + i * 256 * k_splits for i in range(s)]
 
 
 @pytest.mark.slow
@@ -81,7 +103,7 @@ def test_table_owns_items_for_filled_tiles_only():
 def test_library_tables_equal_the_torch_reference(compiled_lib, monkeypatch, tokens, topk, experts, tile):
     """sorted_tables in one library launch (its host mode: the kernel's own per-row code) against the torch
     reference, for the fused forward's two groups (gate + up, down) and R7's three (gate, up, down) of unequal widths,
-    with ids of -1 and empty sources."""
+    unsplit and split along K, with ids of -1 and empty sources."""
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
     gate, up, down = (ck.Exl3ExpertBank(rows=ck.bank_rows([(1000 * r + e, 2000 * r + e, 3000 * r + e)
                                                             for e in range(experts)], nt, 1),
@@ -89,9 +111,10 @@ def test_library_tables_equal_the_torch_reference(compiled_lib, monkeypatch, tok
                       for r, nt in enumerate((48, 40, 16)))
     plan = sorted_plan(_routing(tokens, topk, experts, seed=tokens).reshape(-1), experts, tile)
     assert int(plan.filled) < plan.sources  # some sources are empty
-    for groups in ([[gate, up], [down]], [[gate], [up], [down]]):
-        want = sorted_tables(groups, plan)
-        got = sorted_tables(groups, plan, ck.sorted_table_builder(on_host=True))
+    for groups, splits in (([[gate, up], [down]], None), ([[gate, up], [down]], [2, 4]),
+                           ([[gate], [up], [down]], None), ([[gate], [up], [down]], [1, 2, 3])):
+        want = sorted_tables(groups, plan, splits=splits)
+        got = sorted_tables(groups, plan, ck.sorted_table_builder(on_host=True), splits)
         for w, g in zip(want, got, strict=True):
             assert torch.equal(g.table, w.table) and (g.items, g.cols, g.part) == (w.items, w.cols, w.part)
 

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 27
+ABI_VERSION = 28
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -1008,8 +1008,8 @@ def sorted_table_builder(on_host: bool = False):
 
     def build(banks, experts, filled, tile, params, table):
         flat = []
-        for b, (items_before, cols_before) in zip(banks, params, strict=True):
-            flat += [b.rows.data_ptr(), b.n_tiles, items_before, cols_before]
+        for b, (items_before, cols_before, parts_before, splits) in zip(banks, params, strict=True):
+            flat += [b.rows.data_ptr(), b.n_tiles, items_before, cols_before, parts_before, splits]
         host = (ctypes.c_longlong * len(flat))(*flat)
         _check(lib.exl3_sorted_tables(host, len(banks), experts.data_ptr(), filled.data_ptr(), experts.shape[0], tile,
                                       table.data_ptr(), int(on_host), None if on_host else _stream(table)),

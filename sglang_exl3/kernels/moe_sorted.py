@@ -6,7 +6,8 @@ experts (H200, Qwen3-30B-A3B layer: 14.6 µs per row of top-8 from m = 16 to 64)
 expert on the device, their input rows gathered into tiles of 8-64 rows per expert, and each tile is one
 source of the same grouped kernels, so an expert is read once per tile. Everything is device ops with static
 shapes (tile rows from the mean pairs per expert; the tile count's bound P / tile + min(E, P), surplus sources
-marked empty), so CUDA graphs capture it. The sources run unsplit along K: the tiles give the parallelism.
+marked empty), so CUDA graphs capture it. The sources run unsplit along K (the tiles give the parallelism), or
+with `split_k` split while the tiles' column strips fill less than a wave (few tiles of large experts).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sglang_exl3.kernels.cuda_trellis import (
     Exl3ExpertBank,
     MoeTables,
     act_mul,
+    decode_splits,
     flat_routing_ids,
     group_run,
     moe_combine,
@@ -94,62 +96,63 @@ def torch_sorted_plan(ids: torch.Tensor, experts: int, tile: int) -> SortedPlan:
 @dataclass(frozen=True)
 class SortedTable:
     table: torch.Tensor  # int64 [banks * S, 8]: GroupSource rows, bank by bank
-    items: int  # static totals of the group: work items and output columns
+    items: int  # static totals of the group: work items, output columns and partial elements per row
     cols: int
-
-    @property
-    def part(self) -> int:
-        """Partial elements: one [tile, N] block per source, as many as its output columns."""
-        return self.cols
+    part: int
 
 
-def sorted_tables(groups: list[list[Exl3ExpertBank]], plan: SortedPlan, build=None) -> list[SortedTable]:
-    """GroupSource rows for every (group, bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), unsplit.
-    Columns and partials are laid out for all S sources (static); work items only for the filled ones, numbered
-    bank by bank, and the empty sources (n_tiles = 0) own none; each group's from 0. `build(banks, experts, filled,
-    tile, params, table)` fills one table for every bank of every group, params holding per bank the items and
-    columns of the banks before it in its group (default: the torch reference; `sorted_table_builder` is the
+def sorted_tables(groups: list[list[Exl3ExpertBank]], plan: SortedPlan, build=None,
+                  splits: list[int] | None = None) -> list[SortedTable]:
+    """GroupSource rows for every (group, bank, tile): the tile's expert, x rows [s * tile, (s + 1) * tile), K cut
+    into the group's `splits` (default: unsplit). Columns and partials ([splits, tile, N] per source) are laid out
+    for all S sources (static); work items only for the filled ones, numbered bank by bank, and the empty sources
+    (n_tiles = 0) own none; each group's from 0. `build(banks, experts, filled, tile, params, table)` fills one
+    table for every bank of every group, params holding per bank the items, columns and partial elements of the
+    banks before it in its group and its splits (default: the torch reference; `sorted_table_builder` is the
     library's one launch)."""
     s, banks, params, sizes = plan.sources, [], [], []
-    for group in groups:
-        items = cols = 0  # unsplit: one work item per column tile; partials one [tile, N] block per source
+    for group, k_splits in zip(groups, splits or [1] * len(groups), strict=True):
+        items = cols = part = 0  # per filled tile, n_tiles x splits work items; per tile, splits [tile, N] partials
         for b in group:
-            params.append((items, cols))
-            items, cols = items + b.n_tiles, cols + s * b.n_tiles * 16
-        sizes.append((len(group), s * items, cols))
+            params.append((items, cols, part, k_splits))
+            items, cols = items + b.n_tiles * k_splits, cols + s * b.n_tiles * 16
+            part += s * b.n_tiles * 16 * k_splits
+        sizes.append((len(group), s * items, cols, part))
         banks += group
     table = torch.empty(len(banks) * s, 8, dtype=torch.int64, device=plan.experts.device)
     (build or _torch_sorted_rows)(banks, plan.experts, plan.filled, plan.tile, params, table)
     out, at = [], 0
-    for num, items, cols in sizes:
-        out.append(SortedTable(table=table[at * s:(at + num) * s], items=items, cols=cols))
+    for num, items, cols, part in sizes:
+        out.append(SortedTable(table=table[at * s:(at + num) * s], items=items, cols=cols, part=part))
         at += num
     return out
 
 
 def _torch_sorted_rows(banks: list[Exl3ExpertBank], experts: torch.Tensor, filled: torch.Tensor, tile: int,
-                       params: list[tuple[int, int]], table: torch.Tensor) -> None:
+                       params: list[tuple[int, int, int, int]], table: torch.Tensor) -> None:
     """The reference for the library's sorted_tables_kernel (one launch for all banks)."""
     s = experts.shape[0]
     src = torch.arange(s, device=experts.device)
     live = src < filled
-    for i, (b, (items_before, cols_before)) in enumerate(zip(banks, params, strict=True)):
+    for i, (b, (items_before, cols_before, parts_before, k_splits)) in enumerate(zip(banks, params, strict=True)):
         out = table[i * s:(i + 1) * s]
         out[:, :3] = b.rows.index_select(0, experts)[:, :3]
-        out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, 1), pack_tiles_splits(0, 1))
+        out[:, 3] = torch.where(live, pack_tiles_splits(b.n_tiles, k_splits), pack_tiles_splits(0, k_splits))
         out[:, 4] = src * tile
-        out[:, 5] = filled * items_before + torch.minimum(src, filled) * b.n_tiles
+        out[:, 5] = filled * items_before + torch.minimum(src, filled) * (b.n_tiles * k_splits)
         out[:, 6] = cols_before + src * (b.n_tiles * 16)
-        out[:, 7] = out[:, 6]
+        out[:, 7] = parts_before + src * (b.n_tiles * 16 * k_splits)
 
 
 def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,
                up: Exl3ExpertBank, down: Exl3ExpertBank, gelu: bool, tile: int | None = None,
-               run=group_run, fused: bool = True, build=None) -> torch.Tensor:
+               run=group_run, fused: bool = True, build=None, split_k: bool = False) -> torch.Tensor:
     """fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) over expert-sorted tiles. `fused`: the
     five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
     (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused. The
-    tables come from `build` (sorted_tables; default: the library's one launch for CUDA x, torch for CPU x)."""
+    tables come from `build` (sorted_tables; default: the library's one launch for CUDA x, torch for CPU x).
+    `split_k`: each group's sources split along K (sorted_splits) rather than unsplit; not yet the dispatch's
+    choice (unmeasured: benchmarks/moe.py --both-paths times it as ours_sorted_split_us)."""
     m, topk = topk_ids.shape
     split = not gate.runs_with(up)
     fused = fused and topk <= MAX_FUSED_TOPK and not split
@@ -166,12 +169,13 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     weights = topk_weights.reshape(-1).to(torch.float32)
     build = build or (sorted_table_builder() if x.is_cuda else None)
     groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
-    *gu, dn = sorted_tables([*groups, [down]], plan, build)  # every table in one launch
+    splits = [sorted_splits(banks[0], s * len(banks), x.device) if split_k else 1 for banks in [*groups, [down]]]
+    *gu, dn = sorted_tables([*groups, [down]], plan, build, splits)  # every table in one launch
     if fused:
         (gu,) = gu
         tables = MoeTables(gate_up=gu.table, down=dn.table, sources=s, rows=tile, gate_up_items=gu.items,
                            gate_up_partial=gu.part, down_items=dn.items, down_partial=dn.part,
-                           gate_up_slice=gate.k_tiles, down_slice=down.k_tiles)  # unsplit sources
+                           gate_up_slice=gate.k_tiles // splits[0], down_slice=down.k_tiles // splits[-1])
         return moe_fused(xs, tables, gate, down, weights, ids, topk, gelu, pair_rows=plan.rows)
     gate_up = torch.cat([_run_group(run, xs, banks, t, tile) for banks, t in zip(groups, gu, strict=True)], dim=1)
     act = act_mul(gate_up, s, inter, gelu)  # [S * tile, I]: source-major, the sorted row order again
@@ -179,6 +183,14 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     offsets = (plan.rows % tile) * (s * hidden) + torch.div(plan.rows, tile, rounding_mode="floor") * hidden
     offsets = torch.where(ids >= 0, offsets, 0)
     return moe_combine(y, weights, ids, topk, hidden, rows=offsets)
+
+
+def sorted_splits(bank: Exl3ExpertBank, sources: int, device: torch.device) -> int:
+    """K splits for `sources` sorted sources of `bank`'s shape: the most (whole 128-blocks each) that keep their
+    column strips within one wave of resident warps, as the decode forward's launches (decode_splits). The static
+    source count bounds the filled tiles, so the split count is the one for every tile in use. Mixtral's down
+    projection (K = 14336, 256 column strips) at 2 tiles: 8 splits; the Qwen3-30B-A3B layer from 8 rows: 1."""
+    return decode_splits(bank.k_tiles, bank.n_tiles, sources, device)
 
 
 def _run_group(run, xs: torch.Tensor, banks: list[Exl3ExpertBank], table: SortedTable, tile: int) -> torch.Tensor:

@@ -791,6 +791,30 @@ def test_fused_moe_bit_identical_to_its_stages(path, m, topk, gelu, id_dtype, cb
     assert torch.isfinite(staged).all()
 
 
+@pytest.mark.parametrize("m, topk", [(1, 2), (3, 3), (33, 2)])
+def test_sorted_moe_split_along_k_matches_unsplit(m, topk):
+    """Sorted sources split along K (split_k; 2 splits for gate/up and 3 for down at 1-3 rows here): fused and
+    stage by stage bit-identical, and within fp32 summation order of the unsplit forward."""
+    from sglang_exl3.kernels.moe_sorted import sorted_moe, sorted_plan, sorted_splits, tile_rows
+
+    n_exp, hidden, inter = 6, 256, 384
+    gate, up, down = _banks(_experts(n_exp, hidden, inter, 4, seed=7 * m), Codebook.MCG)
+    gen = torch.Generator().manual_seed(200 + m)
+    x = (torch.randn(m, hidden, generator=gen) * 2).half().cuda()
+    ids = torch.stack([torch.randperm(n_exp, generator=gen)[:topk] for _ in range(m)]).to(torch.int32).cuda()
+    w = torch.rand(m, topk, generator=gen).cuda()
+    sources = sorted_plan(ids.reshape(-1), n_exp, tile_rows(m * topk, n_exp)).sources
+    if m < 33:
+        assert sorted_splits(gate, 2 * sources, x.device) > 1 and sorted_splits(down, sources, x.device) > 1
+    split = sorted_moe(x, ids, w, gate, up, down, False, split_k=True)
+    staged = sorted_moe(x, ids, w, gate, up, down, False, fused=False, split_k=True)
+    assert torch.equal(split.view(torch.int32), staged.view(torch.int32)), (split - staged).abs().max()
+    unsplit = sorted_moe(x, ids, w, gate, up, down, False)
+    assert torch.isfinite(split).all()
+    assert torch.allclose(split, unsplit, rtol=2e-3, atol=2e-3 * float(unsplit.abs().max())), \
+        (split - unsplit).abs().max()
+
+
 @pytest.mark.parametrize("tokens, topk, experts, tile", [(64, 8, 128, 8), (300, 2, 8, 64), (5, 3, 6, 8)])
 def test_sorted_tables_on_the_device_equal_the_torch_reference(tokens, topk, experts, tile):
     """The expert-sorted tables in one device launch (the filled count read on the device) against the torch

@@ -403,6 +403,15 @@ __device__ __forceinline__ uint32_t stage_x(const half* __restrict__ xh, int m, 
   return (uint32_t)__cvta_generic_to_shared(xs + row * stride16 + ((lane >> 3) & 1));
 }
 
+// stage_x once the launch that wrote x has finished: the x-slice GEMMs' stage callback, called after the warp's first
+// weight loads are issued (as a programmatic dependent, launch_plain; a plain launch returns from the wait at once)
+template <int MT>
+__device__ __forceinline__ uint32_t wait_then_stage_x(const half* __restrict__ xh, int m, int K, int kt0, int kt1,
+                                                      uint4* __restrict__ xs) {
+  pdl_wait();
+  return stage_x<MT>(xh, m, K, kt0, kt1, xs);
+}
+
 // A warp's accumulators into its partials: C fragment rows = output features g, g + 8 of the strip, columns = x rows
 // 2tq, 2tq + 1 of each 8-row group; rows at or past m are not stored. `out` points at row 0 of the strip.
 template <int MT>
@@ -566,10 +575,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_xs_kernel(const half* __rest
                                                               int n_tiles, int splits) {
   extern __shared__ uint4 xs[];
   const int item = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  auto stage = [&](int kt0, int kt1) {  // the first weight loads are in flight; x comes from the launch before
-    pdl_wait();
-    return stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs);
-  };
+  auto stage = [&](int kt0, int kt1) { return wait_then_stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs); };
   gemm_warp<K2, CB, MT, DEPTH, true>(xh, trellis, partial, m, k_tiles, n_tiles, splits, item, xs, stage);
 }
 
@@ -1066,10 +1072,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_group_xs_kernel(const half* 
   if (!group_work(srcs, num, blockIdx.x * kWarps + (threadIdx.x >> 5), total_items, s, local)) return;
   const GroupSource& src = srcs[s];
   const half* xh = xh_all + (size_t)s * m * k_tiles * 16;
-  auto stage = [&](int kt0, int kt1) {  // as gemm_xs_kernel's
-    pdl_wait();
-    return stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs);
-  };
+  auto stage = [&](int kt0, int kt1) { return wait_then_stage_x<MT>(xh, m, k_tiles * 16, kt0, kt1, xs); };
   gemm_warp<K2, CB, MT, DEPTH, true>(xh, src.tiles, partial + src.partial_base * m, m, k_tiles, src.n_tiles,
                                      src.splits, local, xs, stage);
 }
@@ -1113,26 +1116,29 @@ __global__ void routed_tables_kernel(RoutedBanks b, const void* ids, int ids_byt
 }
 
 // Expert-sorted tiles' group tables (kernels/moe_sorted.py sorted_tables) in one launch for every bank: row (bank, s)
-// is tile s's expert's tiles / suh / svh, n_tiles | 1 << 32 (unsplit; no tiles past the `filled` ones), x rows from
-// s * tile, its first work item (numbered over the filled tiles, bank by bank within its group), its first output
-// column and partial element (laid out for every tile). The torch ops this replaces were ~14 launches per bank.
+// is tile s's expert's tiles / suh / svh, n_tiles | splits << 32 (the bank's K splits; no tiles past the `filled`
+// ones), x rows from s * tile, its first work item (numbered over the filled tiles, bank by bank within its group),
+// its first output column and partial element (laid out for every tile, [splits, tile, N] each). The torch ops this
+// replaces were ~14 launches per bank.
 struct SortedBanks {  // by value: a captured launch keeps its own copy
   const long long* rows[kMaxRoutedBanks];
   long long n_tiles[kMaxRoutedBanks], items_before[kMaxRoutedBanks], cols_before[kMaxRoutedBanks];
+  long long parts_before[kMaxRoutedBanks], splits[kMaxRoutedBanks];
 };
 
 __host__ __device__ __forceinline__ void sorted_source(const SortedBanks& b, int bank, const long long* src_expert,
                                                        long long filled, long long s, int tile,
                                                        long long* __restrict__ out) {
   const long long* r = b.rows[bank] + src_expert[s] * 8;
-  const long long n = b.n_tiles[bank];
+  const long long n = b.n_tiles[bank], splits = b.splits[bank];
   out[0] = r[0];
   out[1] = r[1];
   out[2] = r[2];
-  out[3] = (s < filled ? n : 0) | (1LL << 32);
+  out[3] = (s < filled ? n : 0) | (splits << 32);
   out[4] = s * tile;
-  out[5] = filled * b.items_before[bank] + (s < filled ? s : filled) * n;
-  out[6] = out[7] = b.cols_before[bank] + s * n * 16;
+  out[5] = filled * b.items_before[bank] + (s < filled ? s : filled) * n * splits;
+  out[6] = b.cols_before[bank] + s * n * 16;
+  out[7] = b.parts_before[bank] + s * n * 16 * splits;
 }
 
 __global__ void sorted_tables_kernel(SortedBanks b, const long long* src_expert, const long long* filled, int sources,
@@ -2892,21 +2898,23 @@ int exl3_routed_tables(const long long* params, int banks, const void* ids, int 
 }
 
 // Every bank's rows of expert-sorted tables in one launch (table: int64 [banks * sources, 8], bank by bank).
-// `params` is host memory, 4 int64 per bank: rows pointer, n_tiles, the items and the columns of the banks before it
-// in its group (per filled tile and per tile). src_expert: int64 [sources]; filled: one int64, both on the device
-// (`on_host` = 1: host memory, the same code, for tests).
+// `params` is host memory, 6 int64 per bank: rows pointer, n_tiles, the items, the columns and the partial elements
+// of the banks before it in its group (per filled tile, per tile and per tile), its K splits (1-1024). src_expert:
+// int64 [sources]; filled: one int64, both on the device (`on_host` = 1: host memory, the same code, for tests).
 int exl3_sorted_tables(const long long* params, int banks, const void* src_expert, const void* filled, int sources,
                        int tile, void* table, int on_host, void* stream) {
   if (banks <= 0 || banks > kMaxRoutedBanks || sources <= 0 || tile <= 0 || !src_expert || !filled || !table)
     return -3;
   SortedBanks b{};
   for (int i = 0; i < banks; ++i) {
-    const long long* q = params + i * 4;
-    if (!q[0] || q[1] <= 0 || q[2] < 0 || q[3] < 0) return -3;
+    const long long* q = params + i * 6;
+    if (!q[0] || q[1] <= 0 || q[2] < 0 || q[3] < 0 || q[4] < 0 || q[5] <= 0 || q[5] > 1024) return -3;
     b.rows[i] = (const long long*)q[0];
     b.n_tiles[i] = q[1];
     b.items_before[i] = q[2];
     b.cols_before[i] = q[3];
+    b.parts_before[i] = q[4];
+    b.splits[i] = q[5];
   }
   auto e = (const long long*)src_expert;
   auto out = (long long*)table;
@@ -3084,7 +3092,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 27; }
+int exl3_abi_version(void) { return 28; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
