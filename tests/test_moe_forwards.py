@@ -272,3 +272,19 @@ def test_shared_memory_x_splits_keep_the_partials_bounded():
     assert ck.xs_splits(64, 256, 9496, 1) is None  # lm_head: 1 split (39 MB) leaves a 526 KB slice
     s = ck.xs_splits(32, 256, 9496, 1)  # at 32 rows: 3 splits, an 88 KB slice
     assert s == 3 and ck.xs_smem(32, -(-256 // s)) <= 96 << 10
+
+
+def test_sorted_splits_only_where_the_tiles_leave_the_sms_idle():
+    """sorted_splits on the two measured shapes (132 SMs): Mixtral's down projection (K = 14336, 256 column strips)
+    splits while its few tiles fill less than a wave; the Qwen3-30B-A3B layer, sorted from 64 tiles, stays unsplit."""
+    from sglang_exl3.kernels.moe_sorted import sorted_splits
+
+    def bank(k_tiles: int, n_tiles: int) -> ck.Exl3ExpertBank:
+        return ck.Exl3ExpertBank(rows=torch.zeros(8, 8, dtype=torch.int64), n_tiles=n_tiles, k_tiles=k_tiles,
+                                 splits=1, k2=8, codebook=1)
+
+    cpu = torch.device("cpu")
+    mixtral_down, mixtral_gate = bank(896, 256), bank(256, 896)
+    assert [sorted_splits(mixtral_down, s, cpu) for s in (2, 4, 8, 10)] == [8, 4, 2, 1]
+    assert sorted_splits(mixtral_gate, 2 * 2, cpu) == 1  # gate and up of 2 tiles: 3,584 strips already
+    assert sorted_splits(bank(48, 128), 64, cpu) == sorted_splits(bank(128, 48), 2 * 64, cpu) == 1
