@@ -349,6 +349,16 @@ def test_rotation_form_switch_returns_the_previous_form(compiled):
 
 
 @pytest.mark.slow
+def test_no_programmatic_launches_without_a_pdl_device(compiled):
+    """exl3_pdl_usable: 0 where no device answers (here: no GPU), so every launch stays plain whatever the switches
+    ask, and the failed query leaves no CUDA error behind for the next launch's check."""
+    lib = compiled
+    lib.exl3_pdl_usable.argtypes = []
+    assert lib.exl3_pdl_usable() == 0
+    assert lib.exl3_pdl_usable() == 0  # cached, the same answer
+
+
+@pytest.mark.slow
 def test_plain_pdl_switch_returns_the_previous_setting(compiled):
     """exl3_set_plain_pdl turns the three-launch path's programmatic launches on (1) or off (0), answers a negative
     value without changing anything, and rejects other values."""

@@ -31,7 +31,7 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.native_paths import UnsafeNativePath, check_native_path
 
 SOURCE = Path(__file__).parent / "csrc" / "exl3_trellis.cu"
-ABI_VERSION = 28
+ABI_VERSION = 29
 FUSED_MAX_M = 64  # the global-load and x-slice GEMMs' limit (8 groups of 8 rows); the x ring takes any m
 # x through the shared-memory ring (benchmarks/results/ring-ab-h200.md, 4 bits, whole linear against the x-slice /
 # global-load dispatch): 1.02-1.16x at m = 16, 1.14-1.44x at 32, 1.27-2.33x at 64, and against reconstruct + cuBLAS
@@ -257,6 +257,7 @@ def _open_library(path: str) -> ctypes.CDLL:
     lib.exl3_set_had_form(HAD_FORMS[knobs.get("ROTATION_FORM")])
     lib.exl3_set_plain_pdl.argtypes = [i]
     lib.exl3_set_plain_pdl(int(knobs.get("PDL_THREE_LAUNCH")))
+    lib.exl3_pdl_usable.argtypes = []  # asked at the first programmatic launch, on the device it runs on
     lib.exl3_wgmma_available.argtypes = []
     lib.exl3_error_string.restype = ctypes.c_char_p
     lib.exl3_error_string.argtypes = [i]

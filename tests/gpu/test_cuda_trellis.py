@@ -575,6 +575,13 @@ def test_one_launch_captures_and_replays_in_a_cuda_graph():
             assert not one.counters.any()
 
 
+def test_programmatic_launches_are_used_on_hopper_with_this_build():
+    """exl3_pdl_usable: 1 on a compute-capability-9+ GPU with the build for its arch (from sm_90 PTX: the
+    griddepcontrol waits present), so the PDL switches take effect; 0 below Hopper."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert ck.load_library().exl3_pdl_usable() == int(hopper)
+
+
 @pytest.mark.parametrize("cb", [Codebook.MUL1, Codebook.MCG])
 def test_three_launches_as_programmatic_dependents_are_bit_identical(cb):
     """With the three-launch path's launches as programmatic dependents (SGLANG_EXL3_PDL_THREE_LAUNCH), a single

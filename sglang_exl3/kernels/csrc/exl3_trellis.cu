@@ -44,10 +44,30 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Whether launches here may go as programmatic dependents: the device has PDL (compute capability 9.0+) and this
+// library's kernels carry the waits (compiled from sm_90+ PTX). A build for an older arch that reaches a Hopper GPU
+// as PTX has pdl_wait compiled out, and a dependent would read its predecessor's output before it is written.
+__global__ void pdl_probe_kernel() {}
+int pdl_usable() {
+  static int usable = -1;  // once per process (one device arch per server process); a race only repeats the query
+  if (usable < 0) {
+    int dev = 0, major = 0;
+    cudaFuncAttributes fa{};
+    const bool queried = cudaGetDevice(&dev) == cudaSuccess &&
+                         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                         cudaFuncGetAttributes(&fa, pdl_probe_kernel) == cudaSuccess;
+    if (!queried) cudaGetLastError();  // a failed query (no device) leaves no error for the next launch's check
+    usable = queried && major >= 9 && fa.ptxVersion >= 90;
+  }
+  return usable;
+}
+
 // kernel<<<grid, warps * 32, smem, stream>>>(args...), as a programmatic dependent of the launch before it when `pdl`
+// and pdl_usable()
 template <typename... Params, typename... Args>
 int launch_ex(void (*kernel)(Params...), dim3 grid, int warps, int smem, bool pdl, cudaStream_t stream,
               Args... args) {
+  pdl = pdl && pdl_usable();
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -3069,6 +3089,10 @@ int exl3_set_plain_pdl(int on) {
   return before;
 }
 
+// 1 where programmatic launches are used at all (pdl_usable: a PDL device and kernels built with the waits), else 0;
+// the PDL switches only ask for them
+int exl3_pdl_usable(void) { return pdl_usable(); }
+
 // The size (in 128-blocks of one launch) from which kHadFormAuto takes the octet form; returns the previous one
 long long exl3_set_octet_min_items(long long items) {
   const long long before = g_octet_min_items;
@@ -3092,7 +3116,7 @@ int exl3_wgmma_available(void) {
   return got;
 }
 
-int exl3_abi_version(void) { return 28; }
+int exl3_abi_version(void) { return 29; }
 
 const char* exl3_error_string(int code) {
   switch (code) {
