@@ -46,7 +46,8 @@
 #                                         generator with injected faults, per SGLANG_EXL3_CARTRIDGES mode ($CART_ARGS)
 # e2e-moe                                 benchmarks/e2e.py on a Qwen3-30B-A3B-shaped EXL3 model (4 bpw) against a bf16
 #                                         twin of random weights (--twin weightless: ~61 GB would not fit the disk)
-# Each step leaves $OUT/STEP.tgz (logs and JSON) and prints a summary; stale servers are stopped first.
+# Each step leaves $OUT/STEP.tgz (STEP-$STEP_TAG.tgz with STEP_TAG set: the same step twice in one call, e.g.
+# moebench on two shapes) with its logs and JSON, and prints a summary; stale servers are stopped first.
 # Measured (fresh H200, 2026-12-02): site1/site2 ~3 s each; sglang ~5 s with the prebuilt extension; moebench
 # ~50 s per bitrate (6 m values); one parity checkpoint ~3.5 min for the first server of a machine (SGLang's JIT
 # and MoE prefill-graph capture: ~95 s to ready), ~2.5 min after. Budget every call under its 600 s limit.
@@ -91,7 +92,7 @@ parity() {  # NAME ARGS...: one serve_parity run into $work/NAME
 }
 
 run_step() {
-  work=/tmp/gpuout/$1
+  work=/tmp/gpuout/$1${STEP_TAG:+-$STEP_TAG}  # STEP_TAG: a second run of a step in one call keeps its own tgz
   mkdir -p "$work"
   case $1 in
   kernels)
