@@ -56,9 +56,8 @@ DECODE_FORCED_MAX_M = 64  # --both-paths times the decode forward up to here (it
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_decode_us", "ours_sorted_us", "ours_sorted_staged_us",
-                 "ours_sorted_split_us",
-                 "ours_dense_us",
-                 "ours_rotated_us", "ours_rotated_decode_us", "ours_rotated_glue_us"]
+                 "ours_sorted_split_us", "ours_dense_us", "ours_rotated_us", "ours_rotated_decode_us",
+                 "ours_rotated_glue_us"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -181,7 +180,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
-    from sglang_exl3.kernels.cuda_trellis import decode_counters, flat_routing_ids, moe_decode
+    from sglang_exl3.kernels.cuda_trellis import decode_counters
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
     from sglang_exl3.layers.moe_kernels import dense_forward
@@ -254,10 +253,10 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
             if m <= DECODE_FORCED_MAX_M:  # the two-launch decode forward at every small m, whatever sorted_rows says
                 counters = decode_counters(m * TOPK, m, HIDDEN, INTER, xs[0].device)
 
-                def decode(i, xs=xs, routes=routes, counters=counters):
+                def decode(i, xs=xs, routes=routes, counters=counters):  # the op routed_forward calls
                     w, ids, _ = routes[i]
-                    return moe_decode(xs[i], flat_routing_ids(ids), w.reshape(-1).float(), gate, up, down, TOPK,
-                                      False, counters)
+                    return torch.ops.exl3.moe_decode(xs[i], ids, w, gate.rows, up.rows, down.rows, gate.meta,
+                                                     down.meta, False, counters, 0)
 
                 row["ours_decode_us"] = graph_us(decode, ROUTINGS, calls=ROUTINGS)
             row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)

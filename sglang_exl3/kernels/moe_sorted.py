@@ -169,8 +169,9 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     weights = topk_weights.reshape(-1).to(torch.float32)
     build = build or (sorted_table_builder() if x.is_cuda else None)
     groups = [[gate], [up]] if split else [[gate, up]]  # [tile, 2 * S * I] either way: gate sources' columns first
-    splits = [sorted_splits(banks[0], s * len(banks), x.device) if split_k else 1 for banks in [*groups, [down]]]
-    *gu, dn = sorted_tables([*groups, [down]], plan, build, splits)  # every table in one launch
+    groups_dn = [*groups, [down]]
+    splits = [sorted_splits(banks[0], s * len(banks), x.device) if split_k else 1 for banks in groups_dn]
+    *gu, dn = sorted_tables(groups_dn, plan, build, splits)  # every table in one launch
     if fused:
         (gu,) = gu
         tables = MoeTables(gate_up=gu.table, down=dn.table, sources=s, rows=tile, gate_up_items=gu.items,
