@@ -46,6 +46,17 @@ def kv_tokens(server_log: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def graph_use(server_log: Path) -> dict:
+    """What an SGLang server's log says of its CUDA graphs: those it captured ("target decode", "draft decode",
+    "target verify", ...), and of the decode batches it logged (every decode_log_interval steps, `cuda graph: True`
+    or `False`) how many ran in one. A decode step outside its graph pays a host launch per kernel, a constant per
+    step that tok/s alone cannot tell from slower kernels."""
+    text = server_log.read_text(errors="replace")
+    ran = re.findall(r"Decode batch\b.*?cuda graph: (True|False)", text)
+    return {"graphs": sorted(set(re.findall(r"Capture (.+?) CUDA graph end", text))),
+            "decode_logs_in_graph": ran.count("True"), "decode_logs_eager": ran.count("False")}
+
+
 def gpu_workdir(script: str, workdir: str) -> Path | None:
     """A served benchmark's scratch folder, or None (after saying why) where there is no CUDA GPU."""
     if not torch.cuda.is_available():

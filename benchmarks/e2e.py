@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
+from benchmarks.common import gpu_workdir, graph_use, header, kv_tokens, pyplot, write_results  # noqa: E402
 from benchmarks.serving_client import serving_throughput  # noqa: E402
 from benchmarks.step_profile import profile_decode  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
@@ -116,6 +116,7 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
         row.update(measure(base, vocab))
         row["weights_gb"] = _weights_mem_gb(log)
         row["kv_tokens"] = kv_tokens(log)
+        row.update(graph_use(log))
         for c in serving:
             result = serving_throughput(path, port, c, out)
             row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, write_results  # noqa: E402
+from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, graph_use, header, write_results  # noqa: E402
 
 COLUMNS = ["kind", "model", "bits", "params", "encoder", "tiles_per_s", "encode_s", "kld_online", "kld_offline",
            "ppl_online", "ppl_offline", "ppl_bf16", "same_tiles", "mse_ours", "mse_exllamav3", "tiles_per_s_exllamav3",
@@ -225,7 +225,7 @@ def serve_rows(args, work: Path, on_row) -> list[dict]:
             stop(proc)
         text = log.read_text(errors="replace")
         row = {"kind": "serve", "model": Path(args.bf16).name, "bits": args.bits, "variant": name,
-               "load_s": round(load_s, 1), "graphs": sorted(set(re.findall(r"Capture (.+?) CUDA graph end", text))),
+               "load_s": round(load_s, 1), "graphs": graph_use(log)["graphs"],
                "tok_s_bs1": round(tok_s, 1), "online_log": re.findall(r"EXL3 online: \d+/\d+ linears.*", text)[-1:]}
         for ref, column in (("bf16", "same_as_bf16"), ("exl3 from disk", "same_as_disk")):
             if ref in outputs and ref != name:

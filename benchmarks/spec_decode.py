@@ -17,6 +17,9 @@ before its speculative variants:
 - SPEED-Bench: `python -m sglang.benchmark.serving --dataset-name speed-bench` per category at concurrency 1 (its
   accept_length is the server's running average, so the per-category accept lengths above are this script's own).
 
+Every row also carries its server's CUDA-graph use from the log (common.graph_use: the graphs captured, and how many
+logged decode batches ran in one or eagerly), so a constant per-step cost shows whether it is a step outside its graph.
+
 Rows are rewritten to benchmarks/results/spec-decode-<gpu>.{json,md,png} after every server, so the variants can be
 split across calls (--only) and earlier rows are kept.
 
@@ -27,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, header, kv_tokens, pyplot, write_results  # noqa: E402
+from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, graph_use, header, kv_tokens, pyplot, write_results  # noqa: E402
 from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, settle, structured, structured_ok  # noqa: E402
 from sglang_exl3.integration.server import free_port, launch, post, stop, wait_ready  # noqa: E402
 
@@ -82,23 +84,27 @@ def decode_row(outs: list[dict], seconds: float) -> dict:
             "seconds": seconds}
 
 
-def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
-    """SGLang's load generator on the SPEED-Bench file (with load.py's stand-in for `datasets` where it is absent:
-    SGLang's MMMU reader imports it at module level)."""
-    from benchmarks.serving_client import datasets_stub
+def speed_bench_command(base: str, models: Path, category: str, result: Path) -> list[str]:
+    """SGLang's load generator on one category of the recipe's SPEED-Bench file, one request at a time, tokenized
+    with the target's own tokenizer."""
+    return [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", base,
+            "--dataset-name", "speed-bench", "--dataset-path", str(models / "speed-bench.jsonl"),
+            "--speed-bench-category", category, "--speed-bench-output-len", str(DECODE_TOKENS),
+            "--num-prompts", str(SPEED_BENCH_PROMPTS), "--max-concurrency", "1",
+            "--tokenizer", str(models / "target"), "--output-file", str(result)]
 
-    stub = datasets_stub(work)
+
+def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
+    """speed_bench_command's result (with the stand-in for `datasets` where it is absent: SGLang's MMMU reader
+    imports it at module level)."""
+    from benchmarks.serving_client import bench_env
+
     result = work / f"speed-bench-{category}.jsonl"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url", base,
-           "--dataset-name", "speed-bench", "--dataset-path", str(models / "speed-bench.jsonl"),
-           "--speed-bench-category", category, "--speed-bench-output-len", str(DECODE_TOKENS),
-           "--num-prompts", str(SPEED_BENCH_PROMPTS), "--max-concurrency", "1",
-           "--tokenizer", str(models / "target"), "--output-file", str(result)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH")) if p)}
     log = work / f"speed-bench-{category}.log"
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300).returncode
+        rc = subprocess.run(speed_bench_command(base, models, category, result), stdout=f, stderr=subprocess.STDOUT,
+                            env=bench_env(work), timeout=300).returncode
     if rc or not result.exists():
         return {"speed_bench_error": f"exit {rc}, see {log.name}: "
                 + " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])}
@@ -157,6 +163,9 @@ def run_variant(name: str, models: Path, ids: dict[str, list[list[int]]], work: 
                      identical=check.get("identical"), **extras)
     finally:
         stop(proc)
+    facts = graph_use(log)  # whether the decode steps timed above ran in their CUDA graphs
+    for r in rows:
+        r.update(facts)
     return rows
 
 

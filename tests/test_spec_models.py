@@ -5,6 +5,7 @@ reads, and the EAGLE3 head it writes loads into SGLang's own LlamaForCausalLMEag
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -98,6 +99,35 @@ def test_the_eagle3_head_loads_into_sglang(trained):
         torch.testing.assert_close(p.data, want, rtol=0, atol=0, msg=name)
     config = json.loads((trained / "eagle3" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+
+
+# SGLang's benchmark with its run replaced by the part before the first request: the dataset as it would be sent.
+READ_SPEED_BENCH = """import json, sys
+import sglang.benchmark.serving as serving
+def read(args):
+    rows = serving.get_dataset(args, serving.get_tokenizer(args.tokenizer))
+    print(json.dumps([len(rows), min(r.prompt_len for r in rows), max(r.prompt_len for r in rows), rows[0].output_len]))
+serving.run_benchmark = read
+serving.cli_main()
+"""
+
+
+@pytest.mark.parametrize("category", ["low_entropy", "mixed", "high_entropy"])
+def test_sglangs_speed_bench_reads_what_the_recipe_wrote(trained, tmp_path, category):
+    """The benchmark's SPEED-Bench command through SGLang's own argument parser, tokenizer loader and SPEED-Bench
+    reader, on the recipe's file and target tokenizer: each category yields its prompts, tokenized (only the requests,
+    which need a server, are left out)."""
+    from benchmarks.serving_client import bench_env
+    from benchmarks.spec_decode import DECODE_TOKENS, SPEED_BENCH_PROMPTS, speed_bench_command
+
+    cmd = speed_bench_command("http://127.0.0.1:9", trained, category, tmp_path / "out.jsonl")
+    assert cmd[1:3] == ["-m", "sglang.benchmark.serving"]
+    done = subprocess.run([cmd[0], "-c", READ_SPEED_BENCH, *cmd[3:]], env=bench_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, shortest, longest, output_len = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (count, output_len) == (SPEED_BENCH_PROMPTS, DECODE_TOKENS)
+    assert 0 < shortest <= longest <= sm.SEQ
 
 
 def test_a_missing_held_out_play_stops_the_recipe(tmp_path):
