@@ -6,8 +6,10 @@ MODELS is what benchmarks/spec_models.py trained, converted on the GPU machine (
 target-exl3/ (exllamav3's converter), target-bf16/ (its dequantized twin: `python -m sglang_exl3 dequantize`),
 small-exl3/ (the STANDALONE draft), eagle3/ (the head trained for the target), prompts.json, speed-bench.jsonl.
 
-Per variant one server (CUDA graphs and the radix cache on), in order, so that a target's `none` baseline comes
-before its speculative variants:
+Per variant one server (CUDA graphs and the radix cache on, the same KV pool for all), timed in order, so that a
+target's `none` baseline comes before its speculative variants. With --starts N, N servers come up together (each
+started once the one before has sized its KV pool), and each is timed only once all of them are ready, the others
+idle. Per server:
 - greedy: every held-out prompt in the chat template (the form the models were trained on), GREEDY_TOKENS tokens with
   top-2 logprobs; a speculative variant must reproduce its target's baseline (spec_checks.compare);
 - batch 1: BATCH1_PROMPTS prompts per category one after another; batch 8 and 32: that many concurrent requests over
@@ -23,7 +25,7 @@ logged decode batches ran in one or eagerly), so a constant per-step cost shows 
 Rows are rewritten to benchmarks/results/spec-decode-<gpu>.{json,md,png} after every server, so the variants can be
 split across calls (--only) and earlier rows are kept.
 
-  python benchmarks/spec_decode.py MODELS [--only exl3-none,exl3-EAGLE3] [--workdir /tmp/specbench]
+  python benchmarks/spec_decode.py MODELS [--only exl3-none,exl3-EAGLE3] [--starts 3] [--workdir /tmp/specbench]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,6 +45,9 @@ from sglang_exl3.integration.server import free_port, launch, post, stop, wait_r
 
 GREEDY_TOKENS, DECODE_TOKENS, BATCH1_PROMPTS, BATCHES = 64, 256, 2, (1, 8, 32)
 SPEED_BENCH_PROMPTS = 4  # per category
+# One KV pool size for every server (~6.4 GB for the trained target): far more than the prompts need. The static
+# fraction only has to leave that pool room beside two other servers' (--starts 3 on a 141 GB H200).
+KV_TOKENS, MEM_FRACTION = 262144, 0.15
 EAGLE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]
 # (target folder, algorithm, speculative arguments; {m} = MODELS)
 VARIANTS: dict[str, tuple[str, str, list[str]]] = {
@@ -54,6 +60,10 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "bf16-none": ("target-bf16", "none", []),
     "bf16-EAGLE3": ("target-bf16", "EAGLE3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                                               "{m}/eagle3", *EAGLE]),
+    # the same EXL3 draft on the bf16 target: its config's quant_method selects EXL3 for the draft alone
+    "bf16-STANDALONE": ("target-bf16", "STANDALONE", ["--speculative-algorithm", "STANDALONE",
+                                                      "--speculative-draft-model-path", "{m}/small-exl3", *EAGLE]),
+    "bf16-NGRAM": ("target-bf16", "NGRAM", ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]),
 }
 COLUMNS = ["algorithm", "target", "batch", "category", "accept_length", "tok_s", "tok_s_no_spec", "speedup",
            "vs_bf16_same_draft", "lossless", "structured_ok"]
@@ -113,60 +123,112 @@ def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
             "server_accept_length": row.get("accept_length"), "completed": row.get("completed")}
 
 
-def run_variant(name: str, models: Path, ids: dict[str, list[list[int]]], work: Path) -> list[dict]:
-    folder, algorithm, spec = VARIANTS[name]
-    target = folder.split("-")[1]
+@dataclass
+class Server:
+    """One variant's server as started: its process, log and URL."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    base: str
+    started: float
+
+
+def start_server(name: str, models: Path, work: Path) -> Server:
+    """Every variant's server gets the same KV pool (KV_TOKENS): the pool follows free memory at start otherwise,
+    which differs between EXL3 and bf16 weights and between servers started beside others."""
+    folder, _, spec = VARIANTS[name]
     extra = [a.replace("{m}", str(models)) for a in spec]
-    quant = ["--quantization", "exl3"] if target == "exl3" else []
+    quant = ["--quantization", "exl3"] if folder.endswith("exl3") else []
     log = work / f"server-{name}.log"
     port = free_port()
+    proc = launch(models / folder, port, [*quant, "--mem-fraction-static", str(MEM_FRACTION), "--max-total-tokens",
+                                          str(KV_TOKENS), "--cuda-graph-max-bs-decode", "32", *SERVER_ARGS, *extra],
+                  log_path=log)
+    return Server(name, proc, log, f"http://127.0.0.1:{port}", time.time())
+
+
+def pool_allocated(server_log: Path) -> bool:
+    """Whether the server has allocated its (first) KV pool: SGLang logs "KV Cache is allocated" then, before it
+    captures its CUDA graphs (unless SGLANG_ENABLE_POST_CAPTURE_KV_SIZING sizes the pool after them)."""
+    text = server_log.read_text(errors="replace") if server_log.exists() else ""
+    return "KV Cache is allocated" in text or "KV cache allocated" in text
+
+
+def wait_sized(server: Server, timeout: float = 900) -> None:
+    """Until the server has allocated its KV pool (or died): SGLang budgets a pool from the memory free at its own
+    start, so the next server starts only once this one has taken its pool; their graph captures then overlap."""
     t0 = time.time()
-    proc = launch(models / folder, port, [*quant, "--mem-fraction-static", "0.4", "--cuda-graph-max-bs-decode", "32",
-                                          *SERVER_ARGS, *extra], log_path=log)
-    base = f"http://127.0.0.1:{port}"
-    common = {"variant": name, "algorithm": algorithm, "target": target}
+    while not pool_allocated(server.log) and server.proc.poll() is None and time.time() - t0 < timeout:
+        time.sleep(2)
+
+
+def start_group(names: list[str], models: Path, work: Path) -> tuple[list[Server], dict[str, Exception]]:
+    """The servers of a group started one after another (each once the one before has sized its pool), then every
+    one waited for: none is timed while another is still capturing graphs. Returns the servers, and the error of each
+    that did not come up."""
+    servers: list[Server] = []
+    for name in names:
+        if servers:
+            wait_sized(servers[-1])
+        servers.append(start_server(name, models, work))
+    errors: dict[str, Exception] = {}
+    for server in servers:
+        try:
+            wait_ready(server.base, server.proc)
+            print(f"{server.name}: ready in {time.time() - server.started:.0f}s, KV tokens {kv_tokens(server.log)}",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - recorded against this variant; the others still run
+            errors[server.name] = e
+    return servers, errors
+
+
+def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]], work: Path) -> list[dict]:
+    """The variant's rows from its ready server (lossless check, batch 1 / 8 / 32, structured output, SPEED-Bench)."""
+    _, algorithm, _ = VARIANTS[server.name]
+    target = "exl3" if VARIANTS[server.name][0].endswith("exl3") else "bf16"
+    base = server.base
+    common = {"variant": server.name, "algorithm": algorithm, "target": target}
     rows = []
-    try:
-        wait_ready(base, proc)
-        print(f"{name}: ready in {time.time() - t0:.0f}s, KV tokens {kv_tokens(log)}", flush=True)
-        generate(base, ids["mixed"][:2], 16)  # warm-up
-        every = [p for rows_ in ids.values() for p in rows_]
-        greedy, _ = generate(base, every, GREEDY_TOKENS, logprobs=True)
-        baseline = work / f"greedy-{target}.json"
-        check: dict = {}
-        if algorithm == "none":
-            baseline.write_text(json.dumps(greedy))
-        elif baseline.exists():
-            check = compare(json.loads(baseline.read_text()), greedy)
-        one_outs, one_seconds = [], 0.0  # batch 1 over every category
-        for category, prompts in ids.items():
-            outs, seconds = [], 0.0
-            for p in prompts[:BATCH1_PROMPTS]:
-                o, s = generate(base, [p], DECODE_TOKENS)
-                outs += o
-                seconds += s
-            rows.append({**common, "batch": 1, "category": category, **decode_row(outs, seconds)})
-            one_outs, one_seconds = one_outs + outs, one_seconds + seconds
-        rows.insert(0, {**common, "batch": 1, "category": "all", **decode_row(one_outs, one_seconds)})
-        for batch in BATCHES[1:]:
-            outs, seconds = generate(base, [every[i % len(every)] for i in range(batch)], DECODE_TOKENS)
-            rows.append({**common, "batch": batch, "category": "all", **decode_row(outs, seconds)})
-        extras = {}
-        if algorithm != "none":
-            extras["structured"] = structured(base)
-            extras["structured_ok"] = structured_ok(extras["structured"])
-        for category in ids:
-            rows.append({**common, "batch": 1, "category": f"speed-bench:{category}",
-                         **speed_bench(base, models, category, work)})
-        for r in rows:
-            r.update(near_ties=check.get("near_ties"), failures=check.get("failures"),
-                     identical=check.get("identical"), **extras)
-    finally:
-        stop(proc)
-    facts = graph_use(log)  # whether the decode steps timed above ran in their CUDA graphs
+    generate(base, ids["mixed"][:2], 16)  # warm-up
+    every = [p for rows_ in ids.values() for p in rows_]
+    greedy, _ = generate(base, every, GREEDY_TOKENS, logprobs=True)
+    baseline = work / f"greedy-{target}.json"
+    check: dict = {}
+    if algorithm == "none":
+        baseline.write_text(json.dumps(greedy))
+    elif baseline.exists():
+        check = compare(json.loads(baseline.read_text()), greedy)
+    one_outs, one_seconds = [], 0.0  # batch 1 over every category
+    for category, prompts in ids.items():
+        outs, seconds = [], 0.0
+        for p in prompts[:BATCH1_PROMPTS]:
+            o, s = generate(base, [p], DECODE_TOKENS)
+            outs += o
+            seconds += s
+        rows.append({**common, "batch": 1, "category": category, **decode_row(outs, seconds)})
+        one_outs, one_seconds = one_outs + outs, one_seconds + seconds
+    rows.insert(0, {**common, "batch": 1, "category": "all", **decode_row(one_outs, one_seconds)})
+    for batch in BATCHES[1:]:
+        outs, seconds = generate(base, [every[i % len(every)] for i in range(batch)], DECODE_TOKENS)
+        rows.append({**common, "batch": batch, "category": "all", **decode_row(outs, seconds)})
+    extras = {}
+    if algorithm != "none":
+        extras["structured"] = structured(base)
+        extras["structured_ok"] = structured_ok(extras["structured"])
+    for category in ids:
+        rows.append({**common, "batch": 1, "category": f"speed-bench:{category}",
+                     **speed_bench(base, models, category, work)})
     for r in rows:
-        r.update(facts)
+        r.update(near_ties=check.get("near_ties"), failures=check.get("failures"),
+                 identical=check.get("identical"), **extras)
     return rows
+
+
+def groups(names: list[str], size: int) -> list[list[str]]:
+    """The variants in order, `size` at a time: a target's `none` stays before its speculative variants (their
+    lossless check reads its greedy output), whichever group each lands in."""
+    return [names[i:i + size] for i in range(0, len(names), size)]
 
 
 def derive(rows: list[dict]) -> None:
@@ -211,6 +273,9 @@ def main() -> int:
     ap.add_argument("models")
     ap.add_argument("--only", default=",".join(VARIANTS), help="variants, comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--workdir", default="/tmp/specbench")
+    ap.add_argument("--starts", type=int, default=1,
+                    help="servers brought up together (each started once the one before has sized its KV pool, all "
+                         "timed one by one once every one is ready): their start-ups overlap, the timings do not")
     args = ap.parse_args()
     work = gpu_workdir("spec_decode.py", args.workdir)
     if work is None:
@@ -222,26 +287,35 @@ def main() -> int:
     ids = chat_ids(models, json.loads((models / "prompts.json").read_text()))
     head = header(sys.argv)
     head.update(greedy_tokens=GREEDY_TOKENS, decode_tokens=DECODE_TOKENS, batch1_prompts=BATCH1_PROMPTS,
-                near_tie_nats=TOL, eagle_args=EAGLE, speed_bench_prompts=SPEED_BENCH_PROMPTS)
+                near_tie_nats=TOL, eagle_args=EAGLE, speed_bench_prompts=SPEED_BENCH_PROMPTS, kv_tokens=KV_TOKENS,
+                mem_fraction_static=MEM_FRACTION, starts=args.starts)
     train = models / "train.json"
     if train.exists():
         head["training"] = {k: v for k, v in json.loads(train.read_text()).items() if not k.endswith("_log")}
     previous = RESULTS / f"spec-decode-{gpu_slug(head['gpu'])}.json"
     rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
     failed = False
-    for name in args.only.split(","):
-        try:
-            new = run_variant(name, models, ids, work)
-        except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
-            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
-            failed = True
-            continue
-        rows = [r for r in rows if r["variant"] != name] + new
-        derive(rows)
-        path = write_results("spec-decode", head, rows, COLUMNS)
-        plot(rows, path.with_suffix(".png"))
-        for r in new:
-            print("ROW", json.dumps({k: r.get(k) for k in COLUMNS}), flush=True)
+    for group in groups(args.only.split(","), args.starts):
+        servers, errors = start_group(group, models, work)
+        for server in servers:
+            try:
+                if server.name in errors:
+                    raise errors[server.name]
+                new = measure_variant(server, models, ids, work)
+            except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
+                print(f"{server.name}: FAILED {type(e).__name__}: {e}", flush=True)
+                failed = True
+                continue
+            finally:
+                stop(server.proc)
+            for r in new:  # whether the decode steps timed above ran in their CUDA graphs
+                r.update(graph_use(server.log))
+            rows = [r for r in rows if r["variant"] != server.name] + new
+            derive(rows)
+            path = write_results("spec-decode", head, rows, COLUMNS)
+            plot(rows, path.with_suffix(".png"))
+            for r in new:
+                print("ROW", json.dumps({k: r.get(k) for k in COLUMNS}), flush=True)
     return 1 if failed else 0
 
 

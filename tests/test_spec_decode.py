@@ -103,3 +103,47 @@ def test_settle_resplits_a_recorded_comparison_at_the_current_tolerance():
     got = settle(recorded)
     assert [t["prompt"] for t in got["near_ties"]] == [0, 1] and [f["prompt"] for f in got["failures"]] == [2]
     assert settle(got) == got and got["identical"] == 3
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_groups_keep_each_targets_baseline_before_its_speculative_variants(size):
+    """Every algorithm has an EXL3 and a bf16 row, and in the default order (--only) a target's `none` server is
+    timed before any of its speculative ones, whatever --starts groups them into."""
+    from benchmarks.spec_decode import VARIANTS, groups
+
+    order = [name for group in groups(list(VARIANTS), size) for name in group]
+    assert order == list(VARIANTS) and all(len(g) <= size for g in groups(list(VARIANTS), size))
+    for name, (folder, algorithm, _) in VARIANTS.items():
+        target = folder.removeprefix("target-")
+        assert f"{'bf16' if target == 'exl3' else 'exl3'}-{algorithm}" in VARIANTS
+        if algorithm != "none":
+            assert order.index(f"{target}-none") < order.index(name)
+
+
+def test_the_next_server_starts_once_the_last_has_sized_its_pool(tmp_path):
+    """wait_sized returns when the server's log says its KV pool is allocated (SGLang's line, logged before its
+    graph captures), or when the server has exited, not before."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.spec_decode import Server, wait_sized
+
+    log = tmp_path / "server.log"
+    log.write_text("loading\n")
+    writes = ("import sys, time; time.sleep(1.5); open(sys.argv[1], 'a').write("
+              "'KV Cache is allocated. dtype: torch.bfloat16, #tokens: 262144, K size: 3.00 GB\\n'); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", writes, str(log)])
+    try:
+        t0 = time.time()
+        wait_sized(Server("x", proc, log, "", t0), timeout=30)
+        assert 1.4 < time.time() - t0 < 10 and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    log.write_text("loading\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    t0 = time.time()
+    wait_sized(Server("y", dead, log, "", t0), timeout=30)
+    assert time.time() - t0 < 5

@@ -111,3 +111,18 @@ def test_a_draft_head_of_another_vocabulary_cannot_share(monkeypatch):
     draft.set_embed_and_head = lambda embed, head: setattr(draft.lm_head, "weight", head)
     with pytest.raises(ValueError, match="draft lm_head is 512 x 256 per rank, the target's EXL3 lm_head 1024 x 256"):
         draft_hand_over(target, draft, with_head=True)
+
+
+def test_an_exl3_standalone_draft_beside_a_bf16_target_loads_as_exl3(draft_path):
+    """STANDALONE on the bf16 twin with the EXL3 draft (the spec benchmark's bf16-STANDALONE): the target starts
+    without --quantization, so the draft worker's ModelConfig gets none either, and the draft's own config must still
+    select EXL3, its lm_head included; the plain target stays plain after it."""
+    from sglang_exl3.layers.exl3_config import Exl3Config
+
+    target, cfg = load_as_server(draft_path, dtype=torch.bfloat16)
+    assert cfg is None and target.lm_head.weight.numel() > 0
+    draft, cfg = load_as_server(LLAMA, dtype=torch.bfloat16, draft=True)
+    assert isinstance(cfg, Exl3Config)
+    assert draft.lm_head.weight.shape == (0, draft.lm_head.embedding_dim)  # the EXL3 head, not a bf16 table
+    gate_up = draft.model.layers[0].mlp.gate_up_proj
+    assert type(gate_up.quant_method).__name__ == "Exl3LinearMethod"
