@@ -277,6 +277,8 @@ def main() -> int:
                     help="servers brought up together (each started once the one before has sized its KV pool, all "
                          "timed one by one once every one is ready): their start-ups overlap, the timings do not")
     args = ap.parse_args()
+    if args.starts < 1:
+        raise SystemExit(f"--starts must be 1 or more, got {args.starts}")
     work = gpu_workdir("spec_decode.py", args.workdir)
     if work is None:
         return 1
