@@ -57,7 +57,7 @@ EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads e
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_decode_us", "ours_sorted_us", "ours_sorted_staged_us",
                  "ours_sorted_split_us", "ours_dense_us", "ours_rotated_us", "ours_rotated_decode_us",
-                 "ours_rotated_glue_us"]
+                 "ours_rotated_glue_us", "fastest", "ours_over_fastest"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -279,9 +279,25 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
             row.update(time_exllamav3(theirs, [x.half() for x in xs], routes, got))  # exllamav3 runs fp16
             if row["exllamav3_us"]:
                 row["ours_vs_exllamav3"] = row["exllamav3_us"] / row["ours_us"]
+        row.update(fastest_forward(row))
         print("ROW", row, flush=True)
         rows.append(row)
         flush()  # a run cut short still leaves every finished row
+
+
+# The whole forwards --both-paths times (not the rotated slab's parts), each a choice the dispatch could make
+FORWARDS = ("pairs", "pairs_staged", "decode", "sorted", "sorted_staged", "sorted_split", "dense", "rotated")
+
+
+def fastest_forward(row: dict) -> dict:
+    """The fastest of the forwards timed in this row, and the dispatch's time (ours_us) over it: 1.0 where the
+    dispatch picks the fastest, above 1 where another forward would have been faster at this m ({} without
+    --both-paths)."""
+    timed = {name: row[f"ours_{name}_us"] for name in FORWARDS if row.get(f"ours_{name}_us")}
+    if not timed:
+        return {}
+    name = min(timed, key=timed.get)
+    return {"fastest": name, "ours_over_fastest": row["ours_us"] / timed[name]}
 
 
 def rotated_glue(tiers, xs, routes):

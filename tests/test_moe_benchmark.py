@@ -30,3 +30,16 @@ def test_checkpoints_only_for_the_qwen3_layer(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 2 and "--ckpt-dir writes Qwen3-30B-A3B layers" in run.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_fastest_forward_names_what_the_dispatch_left_on_the_table():
+    """On the committed Mixtral-layer rows (H100): at 2 rows the per-pair sources beat the sorted tiles the dispatch
+    chose, at 8 the sorted forward run stage by stage; rows without --both-paths columns get nothing."""
+    import json
+
+    rows = {r["m"]: r for r in json.loads((moe.RESULTS / "moe-mixtral-8x7b-h100-80gb-hbm3.json").read_text())["rows"]}
+    two, eight = moe.fastest_forward(rows[2]), moe.fastest_forward(rows[8])
+    assert two["fastest"] == "pairs" and two["ours_over_fastest"] == rows[2]["ours_us"] / rows[2]["ours_pairs_us"]
+    assert eight["fastest"] == "sorted_staged" and eight["ours_over_fastest"] > 1.1
+    assert moe.fastest_forward({"m": 1, "ours_us": 10.0}) == {}
+    assert moe.fastest_forward({"m": 1, "ours_us": 10.0, "ours_decode_us": 10.0})["ours_over_fastest"] == 1.0
