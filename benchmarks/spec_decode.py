@@ -123,6 +123,11 @@ def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
             "server_accept_length": row.get("accept_length"), "completed": row.get("completed")}
 
 
+def target_of(name: str) -> str:
+    """`exl3` or `bf16`: the target a variant serves (its folder, target-exl3 or target-bf16)."""
+    return VARIANTS[name][0].removeprefix("target-")
+
+
 @dataclass
 class Server:
     """One variant's server as started: its process, log and URL."""
@@ -139,7 +144,7 @@ def start_server(name: str, models: Path, work: Path) -> Server:
     which differs between EXL3 and bf16 weights and between servers started beside others."""
     folder, _, spec = VARIANTS[name]
     extra = [a.replace("{m}", str(models)) for a in spec]
-    quant = ["--quantization", "exl3"] if folder.endswith("exl3") else []
+    quant = ["--quantization", "exl3"] if target_of(name) == "exl3" else []
     log = work / f"server-{name}.log"
     port = free_port()
     proc = launch(models / folder, port, [*quant, "--mem-fraction-static", str(MEM_FRACTION), "--max-total-tokens",
@@ -185,8 +190,7 @@ def start_group(names: list[str], models: Path, work: Path) -> tuple[list[Server
 
 def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]], work: Path) -> list[dict]:
     """The variant's rows from its ready server (lossless check, batch 1 / 8 / 32, structured output, SPEED-Bench)."""
-    _, algorithm, _ = VARIANTS[server.name]
-    target = "exl3" if VARIANTS[server.name][0].endswith("exl3") else "bf16"
+    algorithm, target = VARIANTS[server.name][1], target_of(server.name)
     base = server.base
     common = {"variant": server.name, "algorithm": algorithm, "target": target}
     rows = []
@@ -299,25 +303,29 @@ def main() -> int:
     failed = False
     for group in groups(args.only.split(","), args.starts):
         servers, errors = start_group(group, models, work)
-        for server in servers:
-            try:
-                if server.name in errors:
-                    raise errors[server.name]
-                new = measure_variant(server, models, ids, work)
-            except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
-                print(f"{server.name}: FAILED {type(e).__name__}: {e}", flush=True)
-                failed = True
-                continue
-            finally:
+        try:
+            for server in servers:
+                try:
+                    if server.name in errors:
+                        raise errors[server.name]
+                    new = measure_variant(server, models, ids, work)
+                except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
+                    print(f"{server.name}: FAILED {type(e).__name__}: {e}", flush=True)
+                    failed = True
+                    continue
+                finally:
+                    stop(server.proc)  # before the next is timed: an idle server still polls a CPU core
+                for r in new:  # whether the decode steps timed above ran in their CUDA graphs
+                    r.update(graph_use(server.log))
+                rows = [r for r in rows if r["variant"] != server.name] + new
+                derive(rows)
+                path = write_results("spec-decode", head, rows, COLUMNS)
+                plot(rows, path.with_suffix(".png"))
+                for r in new:
+                    print("ROW", json.dumps({k: r.get(k) for k in COLUMNS}), flush=True)
+        finally:
+            for server in servers:  # those a failure above left running
                 stop(server.proc)
-            for r in new:  # whether the decode steps timed above ran in their CUDA graphs
-                r.update(graph_use(server.log))
-            rows = [r for r in rows if r["variant"] != server.name] + new
-            derive(rows)
-            path = write_results("spec-decode", head, rows, COLUMNS)
-            plot(rows, path.with_suffix(".png"))
-            for r in new:
-                print("ROW", json.dumps({k: r.get(k) for k in COLUMNS}), flush=True)
     return 1 if failed else 0
 
 

@@ -109,12 +109,13 @@ def test_settle_resplits_a_recorded_comparison_at_the_current_tolerance():
 def test_groups_keep_each_targets_baseline_before_its_speculative_variants(size):
     """Every algorithm has an EXL3 and a bf16 row, and in the default order (--only) a target's `none` server is
     timed before any of its speculative ones, whatever --starts groups them into."""
-    from benchmarks.spec_decode import VARIANTS, groups
+    from benchmarks.spec_decode import VARIANTS, groups, target_of
 
     order = [name for group in groups(list(VARIANTS), size) for name in group]
     assert order == list(VARIANTS) and all(len(g) <= size for g in groups(list(VARIANTS), size))
-    for name, (folder, algorithm, _) in VARIANTS.items():
-        target = folder.removeprefix("target-")
+    for name, (_, algorithm, _) in VARIANTS.items():
+        target = target_of(name)
+        assert target in ("exl3", "bf16") and name == f"{target}-{algorithm}"
         assert f"{'bf16' if target == 'exl3' else 'exl3'}-{algorithm}" in VARIANTS
         if algorithm != "none":
             assert order.index(f"{target}-none") < order.index(name)
