@@ -248,3 +248,30 @@ def test_a_quantized_vision_tower_is_refused_naming_the_fix(tmp_path):
     want = r"1 vision-tower module\(s\) as EXL3 \(\['model\.visual\.blocks\.0\.mlp\.linear_fc1'\]\).*--vision_bits 16"
     with pytest.raises(ValueError, match=want):
         load_as_server(path)
+
+
+def test_the_vl_sources_processor_is_what_sglangs_tokenizer_manager_builds(tmp_path):
+    """A VL server builds its processor before any model (TokenizerManager.init_tokenizer_and_processor: the HF
+    processor, then SGLang's multimodal processor for the architecture, then the tokenizer from the processor). On the
+    tiny VL source exllamav3 converts (its tokenizer and preprocessor files travel to the EXL3 checkpoint unchanged),
+    each of SGLang's own steps must succeed, or the GPU step's server never starts. (The CPU's ServerArgs refuse the
+    radix cache's mamba buffer without FLA, so it is off here; the processors do not read it.)"""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.multimodal_processor import get_mm_processor, import_processors
+    from sglang.srt.managers.tokenizer_manager import _get_processor_wrapper
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.hf_transformers_utils import get_tokenizer_from_processor
+
+    from sglang_exl3.synth.hf_models import make_qwen3_5_source
+
+    src = make_qwen3_5_source(tmp_path / "src", vl=True)
+    args = ServerArgs(model_path=str(src), device="cpu", attention_backend="torch_native",
+                      sampling_backend="pytorch", disable_radix_cache=True)
+    config = ModelConfig(str(src))
+    assert config.is_multimodal
+    import_processors("sglang.srt.multimodal.processors")
+    processor = _get_processor_wrapper(args)
+    mm = get_mm_processor(config.hf_config, args, processor, "default", model_config=config)
+    assert type(mm).__module__.startswith("sglang.srt.multimodal.processors.")
+    tokenizer = get_tokenizer_from_processor(processor)
+    assert len(tokenizer("To be, or not to be").input_ids) > 3
