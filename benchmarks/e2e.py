@@ -122,7 +122,7 @@ def serve_and_measure(path: Path, label: str, extra: list[str], env: dict, out: 
             row[f"serving_c{c}_out_tok_s"], row[f"serving_c{c}_itl_ms"] = result["output_tok_s"], result["mean_itl_ms"]
         if profile_steps:
             ids = prompt_ids(max(profile_batches), 32, 53, 13, vocab)
-            profiles = {bs: profile_decode(base, post, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
+            profiles = {bs: profile_decode(base, out / f"profile-{port}-bs{bs}", bs, profile_steps, ids)
                         for bs in profile_batches}
             row["profile"] = {bs: cats for bs, (cats, _) in profiles.items()}
             row["profile_kernels"] = {bs: kernels for bs, (_, kernels) in profiles.items()}

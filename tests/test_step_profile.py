@@ -140,3 +140,71 @@ def test_e2e_variant_splits_environment_from_server_flags():
     assert variant_settings("A=1,B=x=y") == ({"A": "1", "B": "x=y"}, [])
     with pytest.raises(SystemExit, match="'SGLANG_EXL3_PDL'"):
         variant_settings("SGLANG_EXL3_PDL")
+
+
+def test_streamed_tokens_reads_sglangs_stream_lines():
+    """Lines as SGLang's /generate streams them (its own serializer, `data: ` framing, the [DONE] end): the completion
+    tokens so far, nothing for separators and the end, and an error inside the stream raised."""
+    from sglang.srt.utils.json_response import dumps_json
+
+    from benchmarks.step_profile import streamed_tokens
+
+    chunk = {"text": " the", "output_ids": [11, 12, 13], "meta_info": {"id": "a", "completion_tokens": 3,
+                                                                          "prompt_tokens": 32}}
+    assert streamed_tokens(b"data: " + dumps_json(chunk) + b"\n\n") == 3
+    assert streamed_tokens(b"\n") is None and streamed_tokens(b"data: [DONE]\n\n") is None
+    error = {"error": {"message": "bad input", "type": "invalid_request_error", "code": 400, "retryable": False}}
+    with pytest.raises(RuntimeError, match="bad input"):
+        streamed_tokens(b"data: " + dumps_json(error) + b"\n\n")
+
+
+def test_stream_generate_signals_the_lead_while_the_stream_goes_on():
+    """A local endpoint streaming in SGLang's framing (chunked transfer, one `data:` line per step, then [DONE]): the
+    lead event is set at the lead token while the request still runs, and the call returns the final count. (SGLang's
+    server itself needs a GPU.)"""
+    import http.server
+    import threading
+
+    from sglang.srt.utils.json_response import dumps_json
+
+    from benchmarks.step_profile import stream_generate
+
+    release = threading.Event()
+
+    class Streaming(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["stream"] is True and body["input_ids"] == [1, 2, 3]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for n in range(1, 7):
+                if n == 4:
+                    release.wait(10)  # the client must have seen the lead before the stream goes on
+                line = b"data: " + dumps_json({"meta_info": {"completion_tokens": n}}) + b"\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            done = b"data: [DONE]\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reached, result = threading.Event(), {}
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        worker = threading.Thread(target=lambda: result.update(n=stream_generate(base, {"input_ids": [1, 2, 3]}, 3,
+                                                                                 reached)))
+        worker.start()
+        assert reached.wait(10) and "n" not in result  # at the lead, mid-stream
+        release.set()
+        worker.join(10)
+        assert result["n"] == 6
+    finally:
+        release.set()
+        server.shutdown()
