@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, graph_use, header, kv_tokens, pyplot, write_results  # noqa: E402
 from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, settle, structured, structured_ok  # noqa: E402
+from benchmarks.step_profile import profile_decode  # noqa: E402
 from sglang_exl3.integration.server import free_port, launch, post, stop, wait_ready  # noqa: E402
 
 GREEDY_TOKENS, DECODE_TOKENS, BATCH1_PROMPTS, BATCHES = 64, 256, 2, (1, 8, 32)
@@ -66,7 +67,7 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "bf16-NGRAM": ("target-bf16", "NGRAM", ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]),
 }
 COLUMNS = ["algorithm", "target", "batch", "category", "accept_length", "tok_s", "tok_s_no_spec", "speedup",
-           "vs_bf16_same_draft", "lossless", "structured_ok"]
+           "vs_bf16_same_draft", "lossless", "structured_ok", "step_span_us", "step_kernels_us"]
 
 
 def chat_ids(models: Path, prompts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
@@ -188,8 +189,11 @@ def start_group(names: list[str], models: Path, work: Path) -> tuple[list[Server
     return servers, errors
 
 
-def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]], work: Path) -> list[dict]:
-    """The variant's rows from its ready server (lossless check, batch 1 / 8 / 32, structured output, SPEED-Bench)."""
+def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]], work: Path,
+                    profile_steps: int = 0) -> list[dict]:
+    """The variant's rows from its ready server (lossless check, batch 1 / 8 / 32, structured output, SPEED-Bench);
+    with profile_steps, a `none` variant's batch-1 decode step profiled too (step_profile: its span and kernel time,
+    on the first row): whether a slower step is kernels or host time."""
     algorithm, target = VARIANTS[server.name][1], target_of(server.name)
     base = server.base
     common = {"variant": server.name, "algorithm": algorithm, "target": target}
@@ -226,6 +230,10 @@ def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]
     for r in rows:
         r.update(near_ties=check.get("near_ties"), failures=check.get("failures"),
                  identical=check.get("identical"), **extras)
+    if profile_steps and algorithm == "none":
+        cats, kernels = profile_decode(base, work / f"profile-{server.name}", 1, profile_steps, every[:1])
+        rows[0].update(step_span_us=cats["span_us"], step_kernels_us=cats["kernels_total"], profile=cats,
+                       profile_kernels=kernels)
     return rows
 
 
@@ -277,6 +285,8 @@ def main() -> int:
     ap.add_argument("models")
     ap.add_argument("--only", default=",".join(VARIANTS), help="variants, comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--workdir", default="/tmp/specbench")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many batch-1 decode steps of each `none` variant (its span and kernel time)")
     ap.add_argument("--starts", type=int, default=1,
                     help="servers brought up together (each started once the one before has sized its KV pool, all "
                          "timed one by one once every one is ready): their start-ups overlap, the timings do not")
@@ -308,7 +318,7 @@ def main() -> int:
                 try:
                     if server.name in errors:
                         raise errors[server.name]
-                    new = measure_variant(server, models, ids, work)
+                    new = measure_variant(server, models, ids, work, args.profile_steps)
                 except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
                     print(f"{server.name}: FAILED {type(e).__name__}: {e}", flush=True)
                     failed = True
