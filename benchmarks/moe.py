@@ -56,8 +56,8 @@ DECODE_FORCED_MAX_M = 64  # --both-paths times the decode forward up to here (it
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_decode_us", "ours_sorted_us", "ours_sorted_staged_us",
-                 "ours_sorted_split_us", "ours_dense_us", "ours_rotated_us", "ours_rotated_decode_us",
-                 "ours_rotated_glue_us", "fastest", "ours_over_fastest"]
+                 "ours_sorted_split_us", "ours_sorted_split_staged_us", "ours_dense_us", "ours_rotated_us",
+                 "ours_rotated_decode_us", "ours_rotated_glue_us", "fastest", "ours_over_fastest"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -250,6 +250,8 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                 row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
             # the sorted sources split along K while their tiles fill less than a wave (not yet the dispatch's)
             row["ours_sorted_split_us"] = graph_us(forward(sorted_moe, split_k=True), ROUTINGS, calls=ROUTINGS)
+            row["ours_sorted_split_staged_us"] = graph_us(forward(sorted_moe, fused=False, split_k=True), ROUTINGS,
+                                                          calls=ROUTINGS)
             if m <= DECODE_FORCED_MAX_M:  # the two-launch decode forward at every small m, whatever sorted_rows says
                 counters = decode_counters(m * TOPK, m, HIDDEN, INTER, xs[0].device)
 
@@ -286,7 +288,8 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
 
 
 # The whole forwards --both-paths times (not the rotated slab's parts), each a choice the dispatch could make
-FORWARDS = ("pairs", "pairs_staged", "decode", "sorted", "sorted_staged", "sorted_split", "dense", "rotated")
+FORWARDS = ("pairs", "pairs_staged", "decode", "sorted", "sorted_staged", "sorted_split", "sorted_split_staged",
+            "dense", "rotated")
 
 
 def fastest_forward(row: dict) -> dict:
