@@ -296,7 +296,8 @@ def main() -> int:
     work = gpu_workdir("spec_decode.py", args.workdir)
     if work is None:
         return 1
-    unknown = [v for v in args.only.split(",") if v not in VARIANTS]
+    names = args.only.split(",")
+    unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     models = Path(args.models)
@@ -311,7 +312,7 @@ def main() -> int:
     previous = RESULTS / f"spec-decode-{gpu_slug(head['gpu'])}.json"
     rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
     failed = False
-    for group in groups(args.only.split(","), args.starts):
+    for group in groups(names, args.starts):
         servers, errors = start_group(group, models, work)
         try:
             for server in servers:
@@ -325,8 +326,9 @@ def main() -> int:
                     continue
                 finally:
                     stop(server.proc)  # before the next is timed: an idle server still polls a CPU core
-                for r in new:  # whether the decode steps timed above ran in their CUDA graphs
-                    r.update(graph_use(server.log))
+                graphs = graph_use(server.log)  # whether the decode steps timed above ran in their CUDA graphs
+                for r in new:
+                    r.update(graphs)
                 rows = [r for r in rows if r["variant"] != server.name] + new
                 derive(rows)
                 path = write_results("spec-decode", head, rows, COLUMNS)
