@@ -89,8 +89,7 @@ template <typename P>
 using elem_t = std::remove_cv_t<std::remove_pointer_t<P>>;  // T of a T* (launch_plain's template arguments)
 template <typename... Params, typename... Args>
 void launch_plain(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, Args... args) {
-  if (g_plain_pdl) launch_ex(kernel, grid, threads / 32, smem, true, stream, args...);
-  else kernel<<<grid, threads, smem, stream>>>(args...);
+  launch_ex(kernel, grid, threads / 32, smem, g_plain_pdl != 0, stream, args...);  // errors: cudaGetLastError
 }
 
 // ---- compile-time geometry of one lane's bits --------------------------------------------------
