@@ -50,6 +50,10 @@ SPEED_BENCH_PROMPTS = 4  # per category
 # fraction only has to leave that pool room beside two other servers' (--starts 3 on a 141 GB H200).
 KV_TOKENS, MEM_FRACTION = 262144, 0.15
 EAGLE = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]
+# Two draft steps: a shorter cycle for a lower ceiling on the accept length (3 instead of 5). On the trained pair a
+# cycle cost 1.6-2.2 ms more than a plain step at accept lengths of 2.2-2.5 (NOTES), so whether the draft's steps
+# are that cost is measured by the draft length alone.
+EAGLE_SHORT = ["--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
 # (target folder, algorithm, speculative arguments; {m} = MODELS)
 VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "exl3-none": ("target-exl3", "none", []),
@@ -58,6 +62,8 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "exl3-STANDALONE": ("target-exl3", "STANDALONE", ["--speculative-algorithm", "STANDALONE",
                                                       "--speculative-draft-model-path", "{m}/small-exl3", *EAGLE]),
     "exl3-NGRAM": ("target-exl3", "NGRAM", ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]),
+    "exl3-EAGLE3-2steps": ("target-exl3", "EAGLE3", ["--speculative-algorithm", "EAGLE3",
+                                                     "--speculative-draft-model-path", "{m}/eagle3", *EAGLE_SHORT]),
     "bf16-none": ("target-bf16", "none", []),
     "bf16-EAGLE3": ("target-bf16", "EAGLE3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                                               "{m}/eagle3", *EAGLE]),
@@ -65,9 +71,11 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "bf16-STANDALONE": ("target-bf16", "STANDALONE", ["--speculative-algorithm", "STANDALONE",
                                                       "--speculative-draft-model-path", "{m}/small-exl3", *EAGLE]),
     "bf16-NGRAM": ("target-bf16", "NGRAM", ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5"]),
+    "bf16-EAGLE3-2steps": ("target-bf16", "EAGLE3", ["--speculative-algorithm", "EAGLE3",
+                                                     "--speculative-draft-model-path", "{m}/eagle3", *EAGLE_SHORT]),
 }
-COLUMNS = ["algorithm", "target", "batch", "category", "accept_length", "tok_s", "tok_s_no_spec", "speedup",
-           "vs_bf16_same_draft", "lossless", "structured_ok", "step_span_us", "step_kernels_us"]
+COLUMNS = ["algorithm", "draft_steps", "target", "batch", "category", "accept_length", "tok_s", "tok_s_no_spec",
+           "speedup", "vs_bf16_same_draft", "lossless", "structured_ok", "step_span_us", "step_kernels_us"]
 
 
 def chat_ids(models: Path, prompts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
@@ -127,6 +135,13 @@ def speed_bench(base: str, models: Path, category: str, work: Path) -> dict:
 def target_of(name: str) -> str:
     """`exl3` or `bf16`: the target a variant serves (its folder, target-exl3 or target-bf16)."""
     return VARIANTS[name][0].removeprefix("target-")
+
+
+def draft_steps(name: str) -> int | None:
+    """A variant's --speculative-num-steps (None without a draft model: `none`, NGRAM). Rows of one algorithm are
+    compared per draft length."""
+    spec = VARIANTS[name][2]
+    return int(spec[spec.index("--speculative-num-steps") + 1]) if "--speculative-num-steps" in spec else None
 
 
 @dataclass
@@ -196,7 +211,7 @@ def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]
     on the first row): whether a slower step is kernels or host time."""
     algorithm, target = VARIANTS[server.name][1], target_of(server.name)
     base = server.base
-    common = {"variant": server.name, "algorithm": algorithm, "target": target}
+    common = {"variant": server.name, "algorithm": algorithm, "draft_steps": draft_steps(server.name), "target": target}
     rows = []
     generate(base, ids["mixed"][:2], 16)  # warm-up
     every = [p for rows_ in ids.values() for p in rows_]
@@ -246,17 +261,20 @@ def groups(names: list[str], size: int) -> list[list[str]]:
 def derive(rows: list[dict]) -> None:
     """lossless from the recorded greedy comparison at the current TOL; tok_s_no_spec / speedup against the same
     target's `none` row of the same batch and category, and the EXL3 target's tok/s over the bf16 target's with the
-    same algorithm."""
-    by = {(r["target"], r["algorithm"], r["batch"], r["category"]): r for r in rows}
+    same algorithm and draft length (rows written before `draft_steps` take their variant's)."""
+    for r in rows:
+        if "draft_steps" not in r:
+            r["draft_steps"] = draft_steps(r["variant"]) if r.get("variant") in VARIANTS else None
+    by = {(r["target"], r["algorithm"], r["draft_steps"], r["batch"], r["category"]): r for r in rows}
     for r in rows:
         if r.get("failures") is not None:  # a speculative variant with its target's baseline
             r.update(settle(r))
             r["lossless"] = not r["failures"]
         key = (r["batch"], r["category"])
-        none = by.get((r["target"], "none", *key))
+        none = by.get((r["target"], "none", None, *key))
         r["tok_s_no_spec"] = none["tok_s"] if none and none.get("tok_s") else None
         r["speedup"] = r["tok_s"] / r["tok_s_no_spec"] if r.get("tok_s") and r["tok_s_no_spec"] else None
-        bf16 = by.get(("bf16", r["algorithm"], *key))
+        bf16 = by.get(("bf16", r["algorithm"], r["draft_steps"], *key))
         r["vs_bf16_same_draft"] = (r["tok_s"] / bf16["tok_s"] if r["target"] == "exl3" and bf16
                                    and bf16.get("tok_s") and r.get("tok_s") else None)
 
@@ -304,8 +322,9 @@ def main() -> int:
     ids = chat_ids(models, json.loads((models / "prompts.json").read_text()))
     head = header(sys.argv)
     head.update(greedy_tokens=GREEDY_TOKENS, decode_tokens=DECODE_TOKENS, batch1_prompts=BATCH1_PROMPTS,
-                near_tie_nats=TOL, eagle_args=EAGLE, speed_bench_prompts=SPEED_BENCH_PROMPTS, kv_tokens=KV_TOKENS,
-                mem_fraction_static=MEM_FRACTION, starts=args.starts)
+                near_tie_nats=TOL, eagle_args=EAGLE, eagle_short_args=EAGLE_SHORT,
+                speed_bench_prompts=SPEED_BENCH_PROMPTS, kv_tokens=KV_TOKENS, mem_fraction_static=MEM_FRACTION,
+                starts=args.starts)
     train = models / "train.json"
     if train.exists():
         head["training"] = {k: v for k, v in json.loads(train.read_text()).items() if not k.endswith("_log")}

@@ -87,6 +87,22 @@ def test_derive_pairs_each_row_with_its_baseline_and_the_bf16_target():
     assert rows[5]["speedup"] is None  # a failed measurement derives nothing
 
 
+def test_draft_lengths_are_compared_with_their_own_length():
+    """Two EAGLE3 lengths on one target: each is paired with the bf16 target's row of its own length, both with the
+    one `none` baseline; a row written before the column takes its variant's length."""
+    from benchmarks.spec_decode import draft_steps
+
+    assert (draft_steps("exl3-EAGLE3"), draft_steps("exl3-EAGLE3-2steps"), draft_steps("exl3-NGRAM")) == (4, 2, None)
+    rows = [{**row("exl3", "none", 1, 100.0), "variant": "exl3-none"},
+            {**row("exl3", "EAGLE3", 1, 150.0), "variant": "exl3-EAGLE3"},
+            {**row("exl3", "EAGLE3", 1, 180.0), "variant": "exl3-EAGLE3-2steps", "draft_steps": 2},
+            {**row("bf16", "EAGLE3", 1, 100.0), "variant": "bf16-EAGLE3", "draft_steps": 4},
+            {**row("bf16", "EAGLE3", 1, 200.0), "variant": "bf16-EAGLE3-2steps", "draft_steps": 2}]
+    derive(rows)
+    assert rows[1]["draft_steps"] == 4 and rows[1]["speedup"] == 1.5 and rows[1]["vs_bf16_same_draft"] == 1.5
+    assert rows[2]["speedup"] == 1.8 and rows[2]["vs_bf16_same_draft"] == 0.9
+
+
 def test_chat_ids_use_the_training_chat_form(tmp_path):
     from sglang_exl3.synth.tokenizer import write_tokenizer
 
@@ -115,8 +131,8 @@ def test_groups_keep_each_targets_baseline_before_its_speculative_variants(size)
     assert order == list(VARIANTS) and all(len(g) <= size for g in groups(list(VARIANTS), size))
     for name, (_, algorithm, _) in VARIANTS.items():
         target = target_of(name)
-        assert target in ("exl3", "bf16") and name == f"{target}-{algorithm}"
-        assert f"{'bf16' if target == 'exl3' else 'exl3'}-{algorithm}" in VARIANTS
+        assert target in ("exl3", "bf16") and name.startswith(f"{target}-{algorithm}")
+        assert f"{'bf16' if target == 'exl3' else 'exl3'}{name.removeprefix(target)}" in VARIANTS
         if algorithm != "none":
             assert order.index(f"{target}-none") < order.index(name)
 
