@@ -211,7 +211,7 @@ def measure_variant(server: Server, models: Path, ids: dict[str, list[list[int]]
     on the first row): whether a slower step is kernels or host time."""
     algorithm, target = VARIANTS[server.name][1], target_of(server.name)
     base = server.base
-    common = {"variant": server.name, "algorithm": algorithm, "draft_steps": draft_steps(server.name), "target": target}
+    common = {"variant": server.name, "algorithm": algorithm, "target": target}  # derive adds draft_steps
     rows = []
     generate(base, ids["mixed"][:2], 16)  # warm-up
     every = [p for rows_ in ids.values() for p in rows_]
@@ -261,7 +261,7 @@ def groups(names: list[str], size: int) -> list[list[str]]:
 def derive(rows: list[dict]) -> None:
     """lossless from the recorded greedy comparison at the current TOL; tok_s_no_spec / speedup against the same
     target's `none` row of the same batch and category, and the EXL3 target's tok/s over the bf16 target's with the
-    same algorithm and draft length (rows written before `draft_steps` take their variant's)."""
+    same algorithm and draft length (`draft_steps`, set here from each row's variant where the row has none)."""
     for r in rows:
         if "draft_steps" not in r:
             r["draft_steps"] = draft_steps(r["variant"]) if r.get("variant") in VARIANTS else None
