@@ -9,7 +9,7 @@ every layer; B: one stage on some layers) and a tampered copy of A:
   2. `python -m sglang.benchmark.serving` (random-ids, --concurrency); once it sends its real requests, cartridges are
      loaded and deactivated --swaps times (A and B alternating; a swap counts as under load when requests were in
      flight as it was asked for), with a fault before every fourth swap: the tampered shard, then failures
-     injected (SGLANG_EXL3_CARTRIDGE_FAULTS=1) while preparing, while committing and at the recapture; each must be
+     injected (SGLANG_EXL3_TEST_CARTRIDGE_FAULTS=1) while preparing, while committing and at the recapture; each must be
      answered 400 with the base served (status inactive) and the load continuing;
   3. the load's failed requests, the server alive, the probe bit-identical to the base's.
 Pause-to-resume latency: the time the model-update lock is held (drained, the scheduler's swap, resumed).
@@ -112,7 +112,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run_mode(mode: str, models: dict[str, Path], args, work: Path, port: int) -> dict:
     log = work / f"server-{mode}.log"
-    env = {"SGLANG_EXL3_BACKEND": "cuda", "SGLANG_EXL3_CARTRIDGES": mode, "SGLANG_EXL3_CARTRIDGE_FAULTS": "1"}
+    env = {"SGLANG_EXL3_BACKEND": "cuda", "SGLANG_EXL3_CARTRIDGES": mode, "SGLANG_EXL3_TEST_CARTRIDGE_FAULTS": "1"}
     proc = launch(models["base"], port, ["--quantization", "exl3", "--context-length", "1024",
                                          "--mem-fraction-static", "0.5", "--cuda-graph-max-bs-decode",
                                          str(args.concurrency), *args.server_args.split()], env=env, log_path=log)

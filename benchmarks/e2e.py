@@ -6,7 +6,7 @@ prompts; time to ready; GPU memory after load; the KV-cache tokens each server s
 again after every row, so a run cut short keeps what it measured.
 
   python benchmarks/e2e.py [--bits 2,3,4] [--backend cuda|torch|exllamav3|triton] [--workdir /tmp/e2e]
-                           [--variant SGLANG_EXL3_FUSED_MAX_M=32 ...]  (the first EXL3 model again, with that env)
+                           [--variant SGLANG_EXL3_DEV_FUSED_MAX_M=32 ...]  (the first EXL3 model again, with that env)
   python benchmarks/e2e.py --replot benchmarks/results/e2e-h200.json   (the plot again, from a run's JSON; no GPU)
   python benchmarks/e2e.py --profile-steps 16 ...   (also: where a decode step's GPU time goes, per kernel category,
                                                      at --profile-batches, 1 and 64 by default, for every served model:

@@ -4,7 +4,7 @@ trellis, 128,256 x 4,096 table) served by SGLang with CUDA graphs, with the tabl
 Per table: the memory the encoding freed (the method's startup log), the weights' memory and the KV-cache tokens the
 server sized (same --mem-fraction-static), and on the same prompts the log-probability of every prompt token and
 the greedy continuation. Against the BF16 table: the mean |Δ logprob| and Δ NLL per token (a random-weight model's
-sensitivity, not a quality figure: the real-model KL is benchmarks/embedding_quality.py's, copied into `delta_kl`
+sensitivity, not a quality figure: the real-model KL is experiments/embedding_quality.py's, copied into `delta_kl`
 when its results exist). Against a twin, the same checkpoint whose BF16 table holds the decoded int8 / int6 values
 (served with the knob unset): the served lookup must reproduce the codec, so the two servers' log-probabilities must
 be identical (`twin_max_abs_dlogprob`).

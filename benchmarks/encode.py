@@ -239,7 +239,7 @@ def serve_rows(args, work: Path, on_row) -> list[dict]:
 def _agreement(ref: list[dict], got: list[dict], column: str) -> dict:
     """The share of prompts whose greedy tokens equal the reference's, and the largest logprob difference of the
     tokens both chose up to the first difference."""
-    from benchmarks.spec_checks import output_tokens
+    from sglang_exl3.integration.spec_checks import output_tokens
 
     same, gap = 0, 0.0
     for a, b in zip(ref, got, strict=True):

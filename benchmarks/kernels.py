@@ -61,7 +61,7 @@ class Weights:
     def __init__(self, k: int, n: int, bits: int):
         self.t_bytes = k * n * bits // 8
         self.copies = _copies(self.t_bytes)
-        from sglang_exl3.kernels.cuda_trellis import prepare
+        from sglang_exl3.kernels.dense import prepare
 
         self.trellis = [torch.randint(-32768, 32768, (k // 16, n // 16, bits * 16), dtype=torch.int16,
                                       device="cuda") for _ in range(self.copies)]
@@ -72,7 +72,7 @@ class Weights:
 
     def one_launch(self, cb: Codebook) -> list:
         """Each copy's one-launch form (table and counters; None where the shape cannot take it), made on first use."""
-        from sglang_exl3.kernels.cuda_trellis import make_one_launch
+        from sglang_exl3.kernels.groups import make_one_launch
 
         if cb not in self._one_launch:
             self._one_launch[cb] = [make_one_launch([t], [self.suh], [self.svh], cb) for t in self.tiles]
@@ -88,20 +88,19 @@ def _time_or_none(fn, rotations: int) -> float | None:
 
 
 def bench_row(k, n, m, bits, cb, w: Weights, xs, ext, anchors: dict, bw) -> dict:
-    from sglang_exl3.kernels import cuda_trellis as ck
-
+    from sglang_exl3.kernels import dense, dispatch, groups
     row = {"k": k, "n": n, "m": m, "bits": bits, "codebook": cb.label, **anchors}
     c = w.copies
 
     def ours(path):
-        return lambda i: ck.exl3_linear(xs[i % 4], w.tiles[i % c], w.suh, w.svh, cb, path=path)
+        return lambda i: dense.exl3_linear(xs[i % 4], w.tiles[i % c], w.suh, w.svh, cb, path=path)
 
-    if m <= ck.FUSED_MAX_M:
+    if m <= dispatch.CROSSOVERS.fused_max_m:
         row["ours_fused_us"] = _time_or_none(ours("fused"), c)
-    one = w.one_launch(cb) if m <= ck.ONE_LAUNCH_MAX_ROWS else [None]
-    if one[0] is not None and one[0].serves(m):  # SGLANG_EXL3_ONE_LAUNCH_MAX_M's path: the rotations folded in
+    one = w.one_launch(cb) if m <= dispatch.CROSSOVERS.one_launch_max_rows else [None]
+    if one[0] is not None and one[0].serves(m):  # SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M's path: the rotations folded in
         row["ours_one_launch_us"] = _time_or_none(
-            lambda i: ck.one_launch_linear(xs[i % 4], one[i % c].group, one[i % c].counters), c)
+            lambda i: groups.one_launch_linear(xs[i % 4], one[i % c].group, one[i % c].counters), c)
     if m >= 16:  # the product's large-m path (exl3_linear's default above the crossover)
         row["ours_reconstruct_us"] = _time_or_none(ours("reconstruct_staged"), c)
     # the product's own choice (exl3_linear with no path: the x ring / wgmma ring / x-slice GEMM by m, the large-m
@@ -166,16 +165,15 @@ def marlin_time(k: int, n: int, m: int, xs) -> float | None:
 
 
 def _tune_one(k: int, n: int, bits: int, m: int, bw: float) -> list[dict]:
-    from sglang_exl3.kernels import cuda_trellis as ck
-
+    from sglang_exl3.kernels import dense, dispatch
     w = Weights(k, n, bits)
     xs = [torch.randn(m, k, device="cuda").half() for _ in range(4)]
     rows = []
     for wps in (8, 16, 20, 24, 32, 48, 64, 96):
-        splits = ck.default_splits(k // 16, n // 16, xs[0].device, warps_per_sm=wps)
+        splits = dispatch.default_splits(k // 16, n // 16, xs[0].device, warps_per_sm=wps)
 
         def fn(i, s=splits):
-            return ck.exl3_linear(xs[i % 4], w.tiles[i % w.copies], w.suh, w.svh, Codebook.MCG, splits=s,
+            return dense.exl3_linear(xs[i % 4], w.tiles[i % w.copies], w.suh, w.svh, Codebook.MCG, splits=s,
                                   path="fused")
 
         rows.append({"k": k, "n": n, "bits": bits, "m": m, "warps_per_sm": wps, "splits": splits,
@@ -287,13 +285,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    ck.load_library(build=True)
+    from sglang_exl3.kernels import dispatch, library
+    library.load_library(build=True)
     head = header(sys.argv)
     bw = copy_bandwidth()
     head["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
-    head["kernel_library"] = str(ck.library_path())
+    head["kernel_library"] = str(library.library_path())
     if args.tune:
         rows = tune(bw, [int(v) for v in args.tune_ms.split(",")])
         write_results("kernels-tune", head, rows, ["k", "n", "bits", "m", "warps_per_sm", "splits", "us",
@@ -307,7 +304,7 @@ def main() -> int:
         bits_list = [int(b) for b in args.bits.split(",")]
     if args.ms:
         ms = [int(m) for m in args.ms.split(",")]
-    fused_max_m = ck.fused_crossover_m()  # SGLANG_EXL3_FUSED_MAX_M, else the product's default
+    fused_max_m = dispatch.fused_crossover_m()  # SGLANG_EXL3_DEV_FUSED_MAX_M, else the product's default
     head["fused_max_m"] = fused_max_m
     rows = []
     for k, n in shapes:

@@ -56,7 +56,7 @@ DECODE_FORCED_MAX_M = 64  # --both-paths times the decode forward up to here (it
 EXLLAMAV3_GRAPH_MAX_M = 8  # its fused decode tier (bsz <= 8); above, it reads expert counts back to the host
 EXTRA_COLUMNS = ["x_dtype", "rel_err_vs_bf16", "rel_err_vs_exllamav3", "exllamav3_timing", "ours_pairs_us",
                  "ours_pairs_staged_us", "ours_decode_us", "ours_sorted_us", "ours_sorted_staged_us",
-                 "ours_sorted_split_us", "ours_sorted_split_staged_us", "ours_dense_us", "ours_rotated_us",
+                 "ours_sorted_split_us", "ours_sorted_split_staged_us", "ours_rotated_us",
                  "ours_rotated_decode_us", "ours_rotated_glue_us", "fastest", "ours_over_fastest"]
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -116,13 +116,13 @@ def expert_layer(tensors):
 
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
-    from sglang_exl3.kernels import cuda_trellis as ck
+    from sglang_exl3.kernels import dense
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.layers.moe import Exl3MoEMethod
     from sglang_exl3.layers.moe_kernels import build_tiers
     from sglang_exl3.layers.shard import Exl3Shard
 
-    experts = [{role: Exl3Shard(key=role, trellis=ck.prepare(trellis.cuda()), suh=suh.cuda(), svh=svh.cuda(),
+    experts = [{role: Exl3Shard(key=role, trellis=dense.prepare(trellis.cuda()), suh=suh.cuda(), svh=svh.cuda(),
                                 codebook=cb, out_features=svh.numel(), kernel_layout=True)
                 for role, (trellis, suh, svh, cb) in roles.items()} for roles in tensors]
     layer = SimpleNamespace(exl3_experts=experts, intermediate_size_per_partition=INTER, hidden_size=HIDDEN,
@@ -137,10 +137,23 @@ def expert_layer(tensors):
     w2 = torch.empty(EXPERTS, HIDDEN, INTER, dtype=torch.float16, device="cuda")
     (tier,) = layer.exl3_tiers.tiers
     gate, up, down = tier.dense
-    ck.dense_experts(*gate, out=w13[:, :INTER])
-    ck.dense_experts(*up, out=w13[:, INTER:])
-    ck.dense_experts(*down, out=w2)
+    twin_experts(*gate, out=w13[:, :INTER])
+    twin_experts(*up, out=w13[:, INTER:])
+    twin_experts(*down, out=w2)
     return layer, method, w13.bfloat16(), w2.bfloat16()
+
+
+def twin_experts(tiles: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook, out: torch.Tensor) -> None:
+    """Original-basis weights of E experts in fused_experts' [E, N, K] layout, out[e] = (diag(suh_e) H W_hat_e H
+    diag(svh_e))^T, for the experts' prepare()d weights stacked along N: the bf16 twin's weights (the rotations in
+    torch; the anchor's timing does not depend on how its weights were made)."""
+    from sglang_exl3.codec.hadamard import had_r_128
+    from sglang_exl3.kernels import dense
+
+    e_count, k = suh.shape
+    w = had_r_128(dense.reconstruct(tiles, codebook), post_scale=svh)  # [K, E*N], rotated along N
+    wt = had_r_128(w.t().contiguous())  # [E*N, K], rotated along K
+    torch.mul(wt.view(e_count, -1, k), suh.view(e_count, 1, k), out=out)
 
 
 def routing(m: int, gen: torch.Generator):
@@ -180,10 +193,9 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     from sglang_exl3.kernels import exl3_gemm  # noqa: F401  (registers the ops)
-    from sglang_exl3.kernels.cuda_trellis import decode_counters
+    from sglang_exl3.kernels.moe_ops import decode_counters
     from sglang_exl3.kernels.moe_routed import routed_moe
     from sglang_exl3.kernels.moe_sorted import sorted_moe
-    from sglang_exl3.layers.moe_kernels import dense_forward
     from sglang_exl3.layers.moe_rotated import decode_rotated, rotated_slab_forward
 
     theirs = None
@@ -240,11 +252,6 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                     return fn(inputs[i], ids, w, gate, up, down, False, **kw)
                 return run
 
-            def dense(i, xs=xs16, routes=routes):
-                w, ids, _ = routes[i]
-                return dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xs[i], w, ids,
-                                     method.moe_runner_config)
-
             for name, fn in (("pairs", routed_moe), ("sorted", sorted_moe)):  # fused, and stage by stage
                 row[f"ours_{name}_us"] = graph_us(forward(fn), ROUTINGS, calls=ROUTINGS)
                 row[f"ours_{name}_staged_us"] = graph_us(forward(fn, fused=False), ROUTINGS, calls=ROUTINGS)
@@ -261,7 +268,6 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
                                                      down.meta, False, counters, 0)
 
                 row["ours_decode_us"] = graph_us(decode, ROUTINGS, calls=ROUTINGS)
-            row["ours_dense_us"] = graph_us(dense, ROUTINGS, calls=ROUTINGS)
 
             def rotated(i, xs=xs, routes=routes):  # W_hat slab + SGLang's Triton GEMM between our rotations
                 w, ids, _ = routes[i]
@@ -289,7 +295,7 @@ def bench_bits(bits: int, ms: list[int], ckpt_dir: Path | None, rows: list[dict]
 
 # The whole forwards --both-paths times (not the rotated slab's parts), each a choice the dispatch could make
 FORWARDS = ("pairs", "pairs_staged", "decode", "sorted", "sorted_staged", "sorted_split", "sorted_split_staged",
-            "dense", "rotated")
+            "rotated")
 
 
 def fastest_forward(row: dict) -> dict:
@@ -410,7 +416,7 @@ def main() -> int:
                     help="write/read one-layer checkpoints here and add exllamav3's column")
     ap.add_argument("--merge", type=Path, nargs="+", help="join these runs' JSON into one table and plot")
     ap.add_argument("--both-paths", action="store_true",
-                    help="also time each forward (per pair, expert-sorted tiles, dense slab, rotated-basis slab) "
+                    help="also time each forward (per pair, expert-sorted tiles, rotated-basis slab) "
                          "at every m")
     ap.add_argument("--x-dtype", choices=["bf16", "fp16"], default="bf16",
                     help="the model's dtype: what the layer receives and returns")

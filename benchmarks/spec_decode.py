@@ -40,9 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, gpu_slug, gpu_workdir, graph_use, header, kv_tokens, pyplot, write_results  # noqa: E402
-from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, settle, structured, structured_ok  # noqa: E402
 from benchmarks.step_profile import profile_decode  # noqa: E402
 from sglang_exl3.integration.server import free_port, launch, post, stop, wait_ready  # noqa: E402
+from sglang_exl3.integration.spec_checks import SERVER_ARGS, TOL, compare, settle, structured, structured_ok  # noqa: E402
 
 GREEDY_TOKENS, DECODE_TOKENS, BATCH1_PROMPTS, BATCHES = 64, 256, 2, (1, 8, 32)
 SPEED_BENCH_PROMPTS = 4  # per category

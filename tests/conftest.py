@@ -40,16 +40,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def compiled_library(tmp_path_factory) -> Path:
-    """Our kernel library compiled here for sm_90, once per test run: the CPU tests call its host-side code and its
-    argument checks, which are the same in the 4-bit-MCG-only build (~35 s on two cores, against 7-10 minutes for
-    every bitrate). The whole source is compiled by `build-kernels` before every GPU run."""
-    from sglang_exl3.kernels import cuda_trellis as ck
+def kernel_build(tmp_path_factory) -> tuple[Path, Path]:
+    """Our kernel library compiled here for sm_90, once per test run, and the folder of its compiled units: the CPU
+    tests call its host-side code and its argument checks, which are the same in the 4-bit-MCG development build
+    (every unit, one variant of each templated family). The whole library is built by `build-kernels` before every
+    GPU run."""
+    from sglang_exl3.kernels import build
 
-    if ck.find_nvcc() is None:
+    if build.find_nvcc() is None:
         pytest.skip("needs nvcc")
-    return ck.build_library(out=tmp_path_factory.mktemp("lib") / "libexl3_trellis.so", arch="90",
-                            only_4bit_mcg=True)
+    root = tmp_path_factory.mktemp("lib")
+    out, objects = root / "libexl3_trellis.so", root / "objects"
+    build.build(out, "90", objects, dev=True)
+    return out, objects
+
+
+@pytest.fixture(scope="session")
+def compiled_library(kernel_build) -> Path:
+    return kernel_build[0]
 
 
 @pytest.fixture(scope="session")

@@ -349,10 +349,11 @@ def surface_knobs(ws: Workspace):
     os.chmod(folder / "open", 0o777)
     values = st.one_of(
         st.text(max_size=10), st.integers(-5, 200).map(str), st.sampled_from(
-            ["auto", "cuda", "torch", "triton", "exllamav3", "0", "1", " 1 ", "64", "65", "8", "48", "", " ",
-             str(lib), str(folder / "link.so"), str(folder / "open"), str(folder), "lib.so", "/nonexistent",
-             f"{folder}/../paths/lib.so", "/dev/null"]))
-    names = st.sampled_from([*knobs.KNOBS, "BACKNED", "Backend", "FUSED", "EMBED_ONLINE_BITS"])
+            ["auto", "cuda", "torch", "triton", "exllamav3", "off", "rw", "one-split", "0", "1", " 1 ", "64", "65",
+             "256", "8", "48", "", " ", str(lib), str(folder / "link.so"), str(folder / "open"), str(folder), "lib.so",
+             "/nonexistent", f"{folder}/../paths/lib.so", "/dev/null"]))
+    names = st.sampled_from([*knobs.KNOBS, *knobs.ALIASES, *knobs.REMOVED, "BACKNED", "Backend", "FUSED",
+                             "EMBED_ONLINE_BITS"])
     env = st.dictionaries(names.map(lambda n: knobs.PREFIX + n), values, max_size=6)
     return env, lambda e: (lambda: knobs.validate_all(e))
 

@@ -55,7 +55,7 @@ class Tokenizer:
 @pytest.fixture
 def served(ckpts, monkeypatch):
     monkeypatch.setenv("SGLANG_EXL3_CARTRIDGES", "recapture")
-    monkeypatch.setenv("SGLANG_EXL3_CARTRIDGE_FAULTS", "1")
+    monkeypatch.setenv("SGLANG_EXL3_TEST_CARTRIDGE_FAULTS", "1")
     sglang_runtime()
     model, _ = load_as_server(ckpts[0])
     runner = SimpleNamespace(model=model, decode_cuda_graph_runner=None, prefill_cuda_graph_runner=None)

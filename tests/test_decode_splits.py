@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_exl3.kernels.cuda_trellis import decode_splits
+from sglang_exl3.kernels.dispatch import decode_splits
 
 HEAD_META = [1, 256, 8016, 128256, 128256, 8, 256, 0, 0, 0]  # Exl3Group.meta: a 4096 x 128256 lm_head, one split
 
@@ -32,7 +32,8 @@ def test_moe_decode_rejects_bad_arguments_before_any_launch():
     """Bad inputs fail with an error naming what is wrong (checked before the kernel library is touched)."""
     import pytest
 
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, decode_counters, moe_decode
+    from sglang_exl3.kernels.moe_ops import decode_counters, moe_decode
+    from sglang_exl3.kernels.moe_tables import Exl3ExpertBank
 
     rows = torch.zeros(4, 8, dtype=torch.int64)
     gate = Exl3ExpertBank.from_meta(rows, [24, 16, 2, 8, 1])  # N 384, K 256, 4 bits, MCG
@@ -55,7 +56,7 @@ def test_moe_decode_rejects_bad_arguments_before_any_launch():
 def test_one_launch_cuts_k_into_whole_blocks_within_one_wave():
     """A dense linear or group as one launch: one split count for all sources, dividing K / 128, the group's warps
     within one wave (Llama-3-8B shapes on 132 SMs); None where K or an N is not whole 128-blocks."""
-    from sglang_exl3.kernels.cuda_trellis import one_launch_splits
+    from sglang_exl3.kernels.dispatch import one_launch_splits
 
     for kt, widths, want in ((256, (896,), 4), (896, (256,), 16), (256, (256, 64, 64), 8), (256, (8016,), 1)):
         splits = one_launch_splits(kt, list(widths), CPU)
@@ -67,27 +68,12 @@ def test_one_launch_cuts_k_into_whole_blocks_within_one_wave():
 def test_one_launch_serves_rows_whose_x_slice_fits():
     """The lm_head's slice (256 tiles at one split) fits 96 KB of shared memory for 11 rows, not 12; never above 16, nor
     above the rows it is made for."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
+    from sglang_exl3.kernels.groups import Exl3Group, Exl3OneLaunch
 
     head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), HEAD_META, 1), torch.zeros(1002))
     assert head.serves(11) and not head.serves(12)
     small = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64),
                                               [1, 256, 64, 1024, 8192, 8, 32, 0, 0, 0], 1), torch.zeros(8))
     assert small.serves(16) and not small.serves(17)
-    one_row = Exl3OneLaunch(small.group, small.counters, max_m=1)  # SGLANG_EXL3_ONE_LAUNCH_MAX_M's default
+    one_row = Exl3OneLaunch(small.group, small.counters, max_m=1)  # SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M's default
     assert one_row.serves(1) and not one_row.serves(2)
-
-
-def test_two_launch_form_serves_the_rows_above_one_launch():
-    """SGLANG_EXL3_TWO_LAUNCH_MAX_M: rows past max_m and up to it rotate x first; never past 16 nor past the x slice."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3Group, Exl3OneLaunch
-
-    group = Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), [1, 256, 64, 1024, 8192, 8, 32, 0, 0, 0], 1)
-    both = Exl3OneLaunch(group, torch.zeros(8), max_m=1, two_launch_max_m=8)
-    assert [m for m in range(1, 18) if both.serves(m)] == list(range(1, 9))
-    assert not both.rotates_first(1) and all(both.rotates_first(m) for m in range(2, 9))
-    only_two = Exl3OneLaunch(group, torch.zeros(8), max_m=0, two_launch_max_m=32)
-    assert only_two.serves(16) and not only_two.serves(17) and only_two.rotates_first(1)
-    head = Exl3OneLaunch(Exl3Group.from_meta(torch.zeros(1, 8, dtype=torch.int64), HEAD_META, 1), torch.zeros(1002),
-                         max_m=1, two_launch_max_m=16)
-    assert head.serves(11) and not head.serves(12)

@@ -5,7 +5,8 @@ import sys
 
 LOWER_LAYERS = ["sglang_exl3", "sglang_exl3.format", "sglang_exl3.codec", "sglang_exl3.synth.exl3_writer",
                 "sglang_exl3.tools.dequantize", "sglang_exl3.tools.inspect_checkpoint", "sglang_exl3.cli.main",
-                "sglang_exl3.kernels.cuda_trellis", "sglang_exl3.runtime"]  # runtime: plans are pure Python
+                "sglang_exl3.kernels.dense", "sglang_exl3.kernels.groups", "sglang_exl3.kernels.moe_ops",
+                "sglang_exl3.runtime"]  # runtime: plans are pure Python
 
 
 def test_real_sglang_imports_on_cpu():

@@ -49,7 +49,7 @@ def test_fake_impl_shapes():
         y = torch.ops.exl3.gemm(x, t, s1, s2, None, 2, 0)
         # our CUDA kernels take the trellis in their [N/16, K/16, words] layout (cuda_trellis.prepare)
         from sglang_exl3.kernels.backends import Backend
-        from sglang_exl3.kernels.cuda_trellis import prepare
+        from sglang_exl3.kernels.dense import prepare
 
         y_cuda = torch.ops.exl3.gemm(x, prepare(t), s1, s2, None, 2, int(Backend.CUDA))
     assert tuple(y.shape) == (9, 384) and y.dtype == torch.float16
@@ -61,7 +61,7 @@ def test_group_op_fake_shape_and_trace():
     torch.compile with a dynamic row count, so SGLang's piecewise graphs can trace a grouped q/k/v."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels.dense import prepare
 
     srcs = [_layer(3 + i, n=n) for i, n in enumerate((384, 128, 128))]
     with FakeTensorMode() as mode:
@@ -84,17 +84,17 @@ def test_group_op_fake_shape_and_trace():
 
 
 def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request):
-    """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_FUSED_MAX_M rows (the x ring from RING_MIN_M
+    """exl3::gemm_group runs one grouped fused launch up to SGLANG_EXL3_DEV_FUSED_MAX_M rows (the x ring from RING_MIN_M
     rows, whatever the group's K slices) and per-source linears above; which one ran is recorded (the kernels
     themselves need a GPU: tests/gpu/test_cuda_trellis.py)."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels import dense, dispatch, groups
+    from sglang_exl3.kernels.dense import prepare
 
     ran = []
-    monkeypatch.setattr(ck, "group_linear", lambda x, g: (ran.append(("group", g.ring_mode(x.shape[0]))),
-                                                          torch.zeros(x.shape[0], 640))[1])
-    monkeypatch.setattr(ck, "exl3_linear", lambda x, t, *a: (ran.append("linear"), torch.zeros(x.shape[0],
-                                                                                            t.shape[0] * 16))[1])
+    monkeypatch.setattr(groups, "group_linear", lambda x, g: (ran.append(("group", g.ring_mode(x.shape[0]))),
+                                                              torch.zeros(x.shape[0], 640))[1])
+    monkeypatch.setattr(dense, "exl3_linear", lambda x, t, *a: (ran.append("linear"), torch.zeros(x.shape[0],
+                                                                                               t.shape[0] * 16))[1])
     srcs = [_layer(3 + i, n=n) for i, n in enumerate((384, 128, 128))]
     tiles, suh, svh = [prepare(t) for t, _, _ in srcs], [s for _, s, _ in srcs], [v for _, _, v in srcs]
     table = torch.zeros(3, 8, dtype=torch.int64)
@@ -109,13 +109,13 @@ def test_group_op_takes_the_fused_launch_up_to_fused_max_m(monkeypatch, request)
         "linear"] * 3
     ran.clear()
     long_slice = 52  # Llama-3-8B's gate/up at its load-time splits: 64 rows of x would need 105 KB in a slice
-    assert ck.xs_smem(64, long_slice) > ck.XS_GROUP_SMEM_BYTES
+    assert dispatch.xs_smem(64, long_slice) > dispatch.CROSSOVERS.xs_group_smem_bytes
     call(64, long_slice)  # the ring streams x: no slice to fit
     assert ran == [("group", 81)]
     ran.clear()
-    request.addfinalizer(ck.fused_max_m_knob.cache_clear)  # read once per process: the next test reads afresh
-    monkeypatch.setenv("SGLANG_EXL3_FUSED_MAX_M", "32")
-    ck.fused_max_m_knob.cache_clear()
+    request.addfinalizer(dispatch.fused_max_m_knob.cache_clear)  # read once per process: the next test reads afresh
+    monkeypatch.setenv("SGLANG_EXL3_DEV_FUSED_MAX_M", "32")
+    dispatch.fused_max_m_knob.cache_clear()
     for m in (32, 33):
         assert tuple(call(m).shape) == (m, 640)
     assert ran == [("group", 82)] + ["linear"] * 3
@@ -125,30 +125,29 @@ def test_dense_dispatch_takes_the_x_ring_from_16_rows(monkeypatch):
     """exl3_linear's choice by m: the x-slice / global-load GEMM below RING_MIN_M rows, the x ring (its mode and
     half of default_splits, or all of them where half leaves fewer ring blocks than SMs) from there to the knob's
     rows, and the older kernels for a width the ring's 8-warp blocks cannot tile (N % 128 != 0)."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-
+    from sglang_exl3.kernels import dense, dispatch
     calls = []
-    monkeypatch.setattr(ck, "had_in", lambda x, suh: x)
-    monkeypatch.setattr(ck, "had_out", lambda acc, svh, dtype=torch.float16: acc[0].to(dtype))
-    monkeypatch.setattr(ck, "default_splits", lambda kt, nt, device: 5)
-    monkeypatch.setattr(ck, "gemm_rotated_partial", lambda xh, tiles, cb, splits, xs=None, ring=0: (
+    monkeypatch.setattr(dense, "had_in", lambda x, suh: x)
+    monkeypatch.setattr(dense, "had_out", lambda acc, svh, dtype=torch.float16: acc[0].to(dtype))
+    monkeypatch.setattr(dispatch, "default_splits", lambda kt, nt, device: 5)
+    monkeypatch.setattr(dense, "gemm_rotated_partial", lambda xh, tiles, cb, splits, xs=None, ring=0: (
         calls.append((xh.shape[0], ring, splits)), torch.zeros(1, xh.shape[0], tiles.shape[0] * 16))[1])
-    monkeypatch.setattr(ck, "reconstruct", lambda tiles, cb, cols, out: calls.append((out.shape, "reconstruct")))
-    monkeypatch.setattr(ck, "fused_crossover_m", lambda device=None: 128)
-    monkeypatch.setattr(ck, "_sm_count", lambda index: 6)
+    monkeypatch.setattr(dense, "reconstruct", lambda tiles, cb, cols, out: calls.append((out.shape, "reconstruct")))
+    monkeypatch.setattr(dispatch, "fused_crossover_m", lambda device=None: 128)
+    monkeypatch.setattr(dispatch, "sm_count", lambda index: 6)
     tiles = torch.zeros(16, 16, 64, dtype=torch.int16)  # N = 256: 16 column tiles
     suh, svh = torch.zeros(256).half(), torch.zeros(256).half()
     for m in (15, 16, 32, 33, 128):
-        ck.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
+        dense.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
     assert calls[1:] == [(16, 82, 3), (32, 82, 3), (33, 81, 3), (128, 81, 3)]  # 16 x 3 / 8 = 6 blocks per 64 rows
     assert calls[0][:2] == (15, 0)
     calls.clear()
-    monkeypatch.setattr(ck, "_sm_count", lambda index: 7)
+    monkeypatch.setattr(dispatch, "sm_count", lambda index: 7)
     for m in (64, 65):
-        ck.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
+        dense.exl3_linear(torch.zeros(m, 256).half(), tiles, suh, svh, Codebook.MCG)
     assert calls == [(64, 81, 5), (65, 81, 3)]  # 6 blocks < 7 SMs: all 5 splits; two 64-row blocks: 12 blocks
     calls.clear()
-    ck.exl3_linear(torch.zeros(16, 256).half(), torch.zeros(12, 16, 64, dtype=torch.int16), suh[:192].clone(),
+    dense.exl3_linear(torch.zeros(16, 256).half(), torch.zeros(12, 16, 64, dtype=torch.int16), suh[:192].clone(),
                    svh[:192].clone(), Codebook.MCG)  # N = 192
     assert calls[0][1] == 0
 
@@ -159,68 +158,66 @@ def test_wgmma_ring_runs_a_group_at_fewer_splits(monkeypatch):
     gate/up, 224 blocks: 5 -> 1), else half of them rounded up (q/k/v, 48 blocks: 16 -> 8). None where nothing
     would change or the blocks would not fill half the SMs.
     group_linear launches those rows on a wgmma mode and the load-time rows on every other path."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
+    from sglang_exl3.kernels import dispatch, groups
+    monkeypatch.setattr(dispatch, "sm_count", lambda index: 132)
     cpu = torch.device("cpu")
-    assert ck.wg_splits([256, 64, 64], [16, 16, 16], cpu) == [8, 8, 8]
-    assert ck.wg_splits([896, 896], [5, 5], cpu) == [1, 1]
-    assert ck.wg_splits([896, 896], [1, 1], cpu) is None
-    assert ck.wg_splits([528, 520], [6, 5], cpu) == [3, 3]  # 66 + 65 = 131 column blocks: one short of the SMs
-    assert ck.wg_splits([528, 528], [6, 5], cpu) == [1, 1]
-    assert ck.wg_splits([16, 8], [4, 4], cpu) is None  # (2 + 1) x 2 blocks < 66
-    rows, items, _, base = ck.group_table([(1, 2, 3, 256, 16), (4, 5, 6, 64, 16)])
-    wg_rows, wg_items, _, wg_base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
+    assert dispatch.wg_splits([256, 64, 64], [16, 16, 16], cpu) == [8, 8, 8]
+    assert dispatch.wg_splits([896, 896], [5, 5], cpu) == [1, 1]
+    assert dispatch.wg_splits([896, 896], [1, 1], cpu) is None
+    assert dispatch.wg_splits([528, 520], [6, 5], cpu) == [3, 3]  # 66 + 65 = 131 column blocks: one short of the SMs
+    assert dispatch.wg_splits([528, 528], [6, 5], cpu) == [1, 1]
+    assert dispatch.wg_splits([16, 8], [4, 4], cpu) is None  # (2 + 1) x 2 blocks < 66
+    rows, items, _, base = groups.group_table([(1, 2, 3, 256, 16), (4, 5, 6, 64, 16)])
+    wg_rows, wg_items, _, wg_base = groups.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
     assert (wg_items, wg_base) == (items // 2, base // 2)
-    group = ck.Exl3Group(table=torch.tensor(rows + wg_rows), num=2, k_tiles=256, total_items=items, total_cols=5120,
+    group = groups.Exl3Group(table=torch.tensor(rows + wg_rows), num=2, k_tiles=256, total_items=items, total_cols=5120,
                          partial_per_row=base, k2=64, codebook=int(Codebook.MCG), wg_items=wg_items,
                          wg_partial_per_row=wg_base)
-    assert ck.Exl3Group.from_meta(group.table, group.meta, group.codebook) == group
+    assert groups.Exl3Group.from_meta(group.table, group.meta, group.codebook) == group
     launched = []
-    monkeypatch.setattr(ck, "group_run", lambda x, table, num, m, kt, items, cols, part, *rest: (
+    monkeypatch.setattr(groups, "group_run", lambda x, table, num, m, kt, items, cols, part, *rest: (
         launched.append((table.tolist(), items, part, rest[3])), torch.zeros(m, cols))[1])
     x = torch.zeros(48, 4096).half()
     for ring in (91, 81, 0):
-        ck.group_linear(x, group, ring=ring)
+        groups.group_linear(x, group, ring=ring)
     assert launched == [(wg_rows, wg_items, wg_base, 91), (rows, items, base, 81), (rows, items, base, 0)]
-    plain = ck.Exl3Group.from_meta(group.table[:2], group.meta[:7] + [0, 0, 0], group.codebook)
+    plain = groups.Exl3Group.from_meta(group.table[:2], group.meta[:7] + [0, 0, 0], group.codebook)
     assert plain.launch_rows(91)[1:] == (items, base)
 
 
-def test_cluster_form_only_where_asked_and_possible(monkeypatch):
-    """SGLANG_EXL3_WG_CLUSTER: at 1 a group on the wgmma ring whose wgmma rows share one split count of at most 8
-    runs group_run_cluster (splits summed in a thread-block cluster, no partials), at one-split only a group whose
-    wgmma rows have one split; off, on another ring, or for a group without such rows, the partials path.
-    group_run_cluster refuses what it cannot run before touching the GPU."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    rows, items, _, base = ck.group_table([(1, 2, 3, 256, 8), (4, 5, 6, 64, 8)])
-    group = ck.Exl3Group(table=torch.tensor(rows + rows), num=2, k_tiles=256, total_items=items, total_cols=5120,
-                         partial_per_row=base, k2=8, codebook=int(Codebook.MCG), wg_items=items,
-                         wg_partial_per_row=base, wg_cluster=8)
-    assert ck.Exl3Group.from_meta(group.table, group.meta, group.codebook).wg_cluster == 8
+def test_rotating_form_only_where_asked_and_possible(monkeypatch):
+    """A group on the wgmma ring whose wgmma rows are all at one split runs group_run_rotating (its output rotated in
+    the GEMM's launch, no partials) unless SGLANG_EXL3_DEV_WG_ROTATING=off; on another ring, or for a group whose wgmma
+    rows keep several splits, the partials path. group_run_rotating refuses what it cannot run before touching the
+    GPU."""
+    from sglang_exl3.kernels import dispatch, groups
+    rows, items, _, base = groups.group_table([(1, 2, 3, 256, 1), (4, 5, 6, 64, 1)])
+    one_split = groups.Exl3Group(table=torch.tensor(rows + rows), num=2, k_tiles=256, total_items=items,
+                                 total_cols=5120, partial_per_row=base, k2=8, codebook=int(Codebook.MCG),
+                                 wg_items=items, wg_partial_per_row=base, wg_one_split=1)
+    assert groups.Exl3Group.from_meta(one_split.table, one_split.meta, one_split.codebook) == one_split
+    several = groups.Exl3Group.from_meta(one_split.table, one_split.meta[:9] + [0], one_split.codebook)
     ran = []
-    monkeypatch.setattr(ck, "group_run_cluster", lambda x, g: (ran.append("cluster"), torch.zeros(1))[1])
-    monkeypatch.setattr(ck, "group_run", lambda *a: (ran.append("partials"), torch.zeros(1))[1])
+    monkeypatch.setattr(groups, "group_run_rotating", lambda x, g: (ran.append("rotating"), torch.zeros(1))[1])
+    monkeypatch.setattr(groups, "group_run", lambda *a: (ran.append("partials"), torch.zeros(1))[1])
     x = torch.zeros(48, 4096).half()
-    one_split = ck.Exl3Group.from_meta(group.table, group.meta[:9] + [1], group.codebook)
-    for knob, ring, g in (("0", 91, group), ("1", 91, group), ("1", 81, group),
-                          ("1", 91, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook)),
-                          ("one-split", 91, group), ("one-split", 91, one_split), ("0", 91, one_split)):
-        monkeypatch.setattr(ck, "_cluster_knob", lambda knob=knob: knob)
-        ck.group_linear(x, g, ring=ring)
-    assert ran == ["partials", "cluster", "partials", "partials", "partials", "cluster", "partials"]
+    for knob, ring, g in (("one-split", 91, one_split), ("one-split", 81, one_split), ("one-split", 91, several),
+                          ("off", 91, one_split)):
+        monkeypatch.setattr(dispatch, "_rotating_knob", lambda knob=knob: knob != "off")
+        groups.group_linear(x, g, ring=ring)
+    assert ran == ["rotating", "partials", "partials", "partials"]
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="at most 8"):
-        ck.group_run_cluster(x, ck.Exl3Group.from_meta(group.table, group.meta[:9] + [0], group.codebook))
+    with pytest.raises(ValueError, match="one split"):
+        groups.group_run_rotating(x, several)
     with pytest.raises(ValueError, match="65 rows"):
-        ck.group_run_cluster(torch.zeros(65, 4096).half(), group)
+        groups.group_run_rotating(torch.zeros(65, 4096).half(), one_split)
+    assert dispatch.one_split([1, 1]) and not dispatch.one_split([1, 2]) and not dispatch.one_split(None)
 
 
 def test_group_only_for_sources_that_can_share_launches():
     """Grouping needs our CUDA kernels, shared K/bits/codebook and untrimmed whole-block widths; anything else
     keeps the per-source path (grouping those would compute garbage, not fail)."""
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels.dense import prepare
     from sglang_exl3.layers.linear import group_shards
     from sglang_exl3.layers.shard import Exl3Shard
 
@@ -240,45 +237,42 @@ def test_group_only_for_sources_that_can_share_launches():
         group_shards([shard(256), shard(128)], Backend.CUDA)
 
 
-def test_single_linear_cluster_form_only_with_its_knob(monkeypatch):
-    """SGLANG_EXL3_WG_CLUSTER gives a single EXL3 linear on our CUDA kernels a one-source group for the cluster form
-    (read at load); without the knob, on another backend, or for several shards (their group has it), none; and
-    apply_shards runs that group only at the rows the form serves."""
+def test_single_linear_rotating_form_only_with_its_knob(monkeypatch):
+    """A single EXL3 linear on our CUDA kernels whose wgmma rows would be at one split gets a one-source group for the
+    rotating form (read at load); with SGLANG_EXL3_DEV_WG_ROTATING=off, at more splits, on another backend, or for
+    several shards (their group has it), none; and apply_shards runs that group only at the rows the form serves."""
     from types import SimpleNamespace
 
-    from sglang_exl3.kernels import cuda_trellis as ck
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels import dispatch
+    from sglang_exl3.kernels.dense import prepare
     from sglang_exl3.layers import linear
     from sglang_exl3.layers.shard import Exl3Shard
 
     t, s, v = _layer(0, k=256, n=256, bits=3)
     one = Exl3Shard(key="o", trellis=prepare(t), suh=s, svh=v, codebook=Codebook.MCG, out_features=256,
                     kernel_layout=True)
-    monkeypatch.setattr(ck, "single_wg_cluster", lambda kt, nt, device: 8)  # o / down on the H100: 16 -> 8 splits
-    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "0")
-    assert linear.cluster_shard([one], Backend.CUDA) is None  # knob off
-    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "one-split")
-    assert linear.cluster_shard([one], Backend.CUDA) is None  # 8 splits: left to the partials, no group made
-    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "1")
-    assert linear.cluster_shard([one], Backend.TORCH) is None
-    assert linear.cluster_shard([one, one], Backend.CUDA) is None
+    monkeypatch.setattr(dispatch, "single_wg_one_split", lambda kt, nt, device: False)  # o / down on the H100: 8
+    monkeypatch.delenv("SGLANG_EXL3_DEV_WG_ROTATING", raising=False)  # one-split by default
+    assert linear.rotating_shard([one], Backend.CUDA) is None  # left to the partials, no group made
+    monkeypatch.setattr(dispatch, "single_wg_one_split", lambda kt, nt, device: True)  # gate/up-like: one split
+    monkeypatch.setenv("SGLANG_EXL3_DEV_WG_ROTATING", "off")
+    assert linear.rotating_shard([one], Backend.CUDA) is None  # knob off
+    monkeypatch.setenv("SGLANG_EXL3_DEV_WG_ROTATING", "one-split")
+    assert linear.rotating_shard([one], Backend.TORCH) is None
+    assert linear.rotating_shard([one, one], Backend.CUDA) is None
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # eligible: make_group is reached (needs CUDA)
-        linear.cluster_shard([one], Backend.CUDA)
-    monkeypatch.setattr(ck, "single_wg_cluster", lambda kt, nt, device: 1)
-    monkeypatch.setenv("SGLANG_EXL3_WG_CLUSTER", "one-split")
-    with pytest.raises(ValueError, match="contiguous CUDA int16"):
-        linear.cluster_shard([one], Backend.CUDA)
+        linear.rotating_shard([one], Backend.CUDA)
     ran = []
     monkeypatch.setattr(linear, "run_group", lambda x, shards, group: (ran.append(group),
                                                                        torch.zeros(x.shape[0], 256))[1])
     monkeypatch.setattr(linear, "run_shard", lambda x, sh, backend, where: (ran.append("shard"),
                                                                             torch.zeros(x.shape[0], 256))[1])
-    cluster = SimpleNamespace(cluster_serves=lambda m: m >= 33)
-    layer = SimpleNamespace(exl3_shards=[one], exl3_group=None, exl3_one_launch=None, exl3_cluster=cluster,
+    rotating = SimpleNamespace(rotating_serves=lambda m: m >= 33)
+    layer = SimpleNamespace(exl3_shards=[one], exl3_group=None, exl3_one_launch=None, exl3_rotating=rotating,
                             exl3_backend=int(Backend.CUDA))
     for m in (16, 48):
         linear.apply_shards(layer, torch.zeros(m, 256).half(), None, "EXL3 o")
-    assert ran == ["shard", cluster]
+    assert ran == ["shard", rotating]
 
 
 @pytest.mark.parametrize("op", ["moe_routed", "moe_sorted"])
@@ -296,7 +290,7 @@ def test_moe_ops_fake_shape(op):
 
 
 def _expert_shard(k, n, seed, bits=3, cb=Codebook.MCG, out=None):
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels.dense import prepare
     from sglang_exl3.layers.shard import Exl3Shard
 
     t, s, v = _layer(seed, k=k, n=n, bits=bits)
@@ -354,9 +348,9 @@ def test_build_tiers_stacks_each_tier_and_needs_our_kernels():
     before = [{r: s.trellis.clone() for r, s in e.items()} for e in experts]
     assert build_tiers(experts, Backend.TORCH) is None
     gate, up, down = stack_experts(experts)
-    tiles, suh, svh, cb, ones = down
+    tiles, suh, svh, cb = down
     assert tiles.shape == (3 * 16, 8, 48) and suh.shape == (3, 128) and svh.shape == (3 * 256,)
-    assert cb == Codebook.MCG and torch.equal(ones, torch.ones(128, dtype=torch.float16))
+    assert cb == Codebook.MCG
     for e in range(3):
         for r, (stack, *_rest) in zip(("w1", "w3", "w2"), (gate, up, down), strict=True):
             s = experts[e][r]
@@ -437,9 +431,9 @@ def test_rotation_tables_follow_the_slab_order_and_copy_only_for_several_tiers()
 
 
 def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
-    """The one-launch form is offered only to layers of at most SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights on this
+    """The one-launch form is offered only to layers of at most SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_WEIGHTS weights on this
     rank (K x N over the sources): 4194304 by default, so every Llama-3-8B linear runs three launches."""
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels.dense import prepare
     from sglang_exl3.layers import linear
     from sglang_exl3.layers.shard import Exl3Shard
 
@@ -448,30 +442,28 @@ def test_one_launch_only_for_layers_within_its_weight_budget(monkeypatch):
                     kernel_layout=True)
     assert linear.layer_weights([one]) == 256 * 256
     assert linear.layer_weights([one, one]) == 2 * 256 * 256
-    monkeypatch.delenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", raising=False)
+    monkeypatch.delenv("SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_WEIGHTS", raising=False)
     assert linear.one_launch_shards([one] * 65, Backend.CUDA) is None  # 4,259,840 weights: over the default
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # 4,194,304: make_one_launch is reached
         linear.one_launch_shards([one] * 64, Backend.CUDA)
-    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(256 * 256))
+    monkeypatch.setenv("SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_WEIGHTS", str(256 * 256))
     assert linear.one_launch_shards([one, one], Backend.CUDA) is None  # over the budget
     with pytest.raises(ValueError, match="contiguous CUDA int16"):  # within it: make_one_launch is reached
         linear.one_launch_shards([one], Backend.CUDA)
-    monkeypatch.setenv("SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS", str(2 * 256 * 256))
+    monkeypatch.setenv("SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_WEIGHTS", str(2 * 256 * 256))
     with pytest.raises(ValueError, match="contiguous CUDA int16"):
         linear.one_launch_shards([one, one], Backend.CUDA)
 
 
 def test_single_linear_wgmma_splits_match_its_one_source_group(monkeypatch):
-    """single_wg_cluster (what cluster_shard asks before making a group) is the wg_cluster make_group would give a
-    one-source group: o and down of Llama-3-8B at 8 splits, a 28672-wide linear at one, an lm_head none (it already
-    runs at one split)."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    monkeypatch.setattr(ck, "_sm_count", lambda index: 132)
+    """single_wg_one_split (what rotating_shard asks before making a group) is the wg_one_split make_group would give
+    a one-source group: o and down of Llama-3-8B stay at 8 splits, a 28672-wide linear goes to one, an lm_head none
+    (it already runs at one split)."""
+    from sglang_exl3.kernels import dispatch
+    monkeypatch.setattr(dispatch, "sm_count", lambda index: 132)
     cpu = torch.device("cpu")
-    assert ck.single_wg_cluster(256, 256, cpu) == 8  # 4096 x 4096
-    assert ck.single_wg_cluster(896, 256, cpu) == 8  # 14336 -> 4096
-    assert ck.single_wg_cluster(256, 1792, cpu) == 1  # 4096 -> 28672: 224 column blocks fill the SMs
-    assert ck.single_wg_cluster(256, 8016, cpu) == 0  # 4096 -> 128256
-    assert ck.cluster_splits([8, 8]) == 8 and ck.cluster_splits([8, 4]) == 0 and ck.cluster_splits([16]) == 0
-    assert ck.cluster_splits(None) == 0
+    assert dispatch.wg_splits([256], [dispatch.default_splits(256, 256, cpu)], cpu) == [8]  # 4096 x 4096
+    assert dispatch.single_wg_one_split(256, 256, cpu) is False
+    assert dispatch.single_wg_one_split(896, 256, cpu) is False  # 14336 -> 4096: 8 splits
+    assert dispatch.single_wg_one_split(256, 1792, cpu) is True  # 4096 -> 28672: 224 column blocks fill the SMs
+    assert dispatch.single_wg_one_split(256, 8016, cpu) is False  # 4096 -> 128256: no wgmma rows of its own

@@ -102,11 +102,9 @@ def test_linear_layers_equal_the_twin(models):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the one-launch form runs on our CUDA kernels")
-@pytest.mark.parametrize("knob", ["ONE_LAUNCH_MAX_M", "TWO_LAUNCH_MAX_M"])
-def test_one_launch_layers_equal_the_twin(models, monkeypatch, knob):
-    """With SGLANG_EXL3_ONE_LAUNCH_MAX_M (or TWO_LAUNCH_MAX_M) set, every EXL3 linear whose shards can share a launch
-    runs decode-sized m as one launch (rotations folded into the GEMM; or two, x rotated first), and still computes
-    x @ W_twin^T."""
+def test_one_launch_layers_equal_the_twin(models, monkeypatch):
+    """With SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M set, every EXL3 linear whose shards can share a launch runs decode-sized
+    m as one launch (rotations folded into the GEMM), and still computes x @ W_twin^T."""
     from sglang_exl3.kernels.backends import Backend
     from sglang_exl3.layers.linear import apply_shards, attach_shards
 
@@ -114,7 +112,7 @@ def test_one_launch_layers_equal_the_twin(models, monkeypatch, knob):
     layers = list(exl3_linears(exl3, twin))
     gen = torch.Generator().manual_seed(0)
     served = []
-    monkeypatch.setenv(f"SGLANG_EXL3_{knob}", "16")
+    monkeypatch.setenv("SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M", "16")
     try:
         for name, layer, weight in layers:
             attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
@@ -127,7 +125,7 @@ def test_one_launch_layers_equal_the_twin(models, monkeypatch, knob):
                 assert torch.isfinite(got).all() and rel(got, want) < REL_TOL, (name, m, rel(got, want))
             served.append(name)
     finally:  # the module-scoped model as it was
-        monkeypatch.delenv(f"SGLANG_EXL3_{knob}")
+        monkeypatch.delenv("SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M")
         for _, layer, _ in layers:
             attach_shards(layer, layer.exl3_shards, Backend(layer.exl3_backend))
     assert served or not layers

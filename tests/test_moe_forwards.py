@@ -11,7 +11,7 @@ from moe_reference import codec_moe
 
 from sglang_exl3.codec import exl3_linear_reference
 from sglang_exl3.format import Codebook
-from sglang_exl3.kernels import cuda_trellis as ck
+from sglang_exl3.kernels import dense, dispatch, groups, moe_tables
 from sglang_exl3.kernels.moe_sorted import max_tiles, sorted_plan, sorted_tables
 
 
@@ -53,7 +53,8 @@ def test_table_owns_items_for_filled_tiles_only():
     the items of the second bank start right after the first bank's filled tiles (the kernels binary-search
     item_begin; empty sources own none)."""
     experts, tile = 5, 8
-    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, sp),
+    banks = [moe_tables.Exl3ExpertBank(
+            rows=moe_tables.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, sp),
                                n_tiles=nt, k_tiles=16, splits=sp, k2=4, codebook=1)
              for b, (nt, sp) in enumerate(((48, 8), (16, 2)))]
     ids = torch.tensor([[0, 3], [3, 1], [4, 3], [-1, 0]], dtype=torch.int32)
@@ -66,8 +67,8 @@ def test_table_owns_items_for_filled_tiles_only():
     for b, nt in enumerate((48, 16)):
         block = table[b * s:(b + 1) * s]
         assert block[:filled, 0].tolist() == [100 * b + e for e in (0, 1, 3, 4)]
-        assert block[:filled, 3].tolist() == [ck.pack_tiles_splits(nt, 1)] * filled
-        assert block[filled:, 3].tolist() == [ck.pack_tiles_splits(0, 1)] * (s - filled)
+        assert block[:filled, 3].tolist() == [groups.pack_tiles_splits(nt, 1)] * filled
+        assert block[filled:, 3].tolist() == [groups.pack_tiles_splits(0, 1)] * (s - filled)
         assert block[:, 4].tolist() == [i * tile for i in range(s)]
     first_up_item = filled * 48
     assert table[:s, 5].tolist() == [i * 48 for i in range(filled)] + [first_up_item] * (s - filled)
@@ -81,15 +82,16 @@ def test_split_table_numbers_items_and_partials_per_split():
     """With K splits (split_k), a filled tile owns n_tiles x splits work items and splits [tile, N] partial blocks,
     while its output columns stay where they were; empty tiles still own none."""
     experts, tile, k_splits = 5, 8, 3
-    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, 1),
+    banks = [moe_tables.Exl3ExpertBank(
+            rows=moe_tables.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(experts)], nt, 1),
                                n_tiles=nt, k_tiles=48, splits=1, k2=4, codebook=1)
              for b, nt in enumerate((48, 16))]
     plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), experts, tile)
     (t,) = sorted_tables([banks], plan, splits=[k_splits])
     table, s, filled = t.table, plan.sources, int(plan.filled)
     assert (t.items, t.cols, t.part) == (s * 64 * k_splits, s * 1024, s * 1024 * k_splits)
-    assert table[:filled, 3].tolist() == [ck.pack_tiles_splits(48, k_splits)] * filled
-    assert table[filled:s, 3].tolist() == [ck.pack_tiles_splits(0, k_splits)] * (s - filled)
+    assert table[:filled, 3].tolist() == [groups.pack_tiles_splits(48, k_splits)] * filled
+    assert table[filled:s, 3].tolist() == [groups.pack_tiles_splits(0, k_splits)] * (s - filled)
     first_up_item = filled * 48 * k_splits
     assert table[:s, 5].tolist() == [i * 48 * k_splits for i in range(filled)] + [first_up_item] * (s - filled)
     assert table[s:, 5].tolist() == [first_up_item + i * 16 * k_splits for i in range(filled)] + \
@@ -105,16 +107,16 @@ def test_library_tables_equal_the_torch_reference(compiled_lib, monkeypatch, tok
     reference, for the fused forward's two groups (gate + up, down) and R7's three (gate, up, down) of unequal widths,
     unsplit and split along K, with ids of -1 and empty sources."""
     monkeypatch.setenv("SGLANG_EXL3_KERNEL_LIB", str(compiled_lib))
-    gate, up, down = (ck.Exl3ExpertBank(rows=ck.bank_rows([(1000 * r + e, 2000 * r + e, 3000 * r + e)
+    gate, up, down = (moe_tables.Exl3ExpertBank(rows=moe_tables.bank_rows([(1000 * r + e, 2000 * r + e, 3000 * r + e)
                                                             for e in range(experts)], nt, 1),
                                         n_tiles=nt, k_tiles=16, splits=1, k2=4, codebook=1)
                       for r, nt in enumerate((48, 40, 16)))
     plan = sorted_plan(_routing(tokens, topk, experts, seed=tokens).reshape(-1), experts, tile)
     assert int(plan.filled) < plan.sources  # some sources are empty
-    for groups, splits in (([[gate, up], [down]], None), ([[gate, up], [down]], [2, 4]),
-                           ([[gate], [up], [down]], None), ([[gate], [up], [down]], [1, 2, 3])):
-        want = sorted_tables(groups, plan, splits=splits)
-        got = sorted_tables(groups, plan, ck.sorted_table_builder(on_host=True), splits)
+    for bank_groups, splits in (([[gate, up], [down]], None), ([[gate, up], [down]], [2, 4]),
+                                ([[gate], [up], [down]], None), ([[gate], [up], [down]], [1, 2, 3])):
+        want = sorted_tables(bank_groups, plan, splits=splits)
+        got = sorted_tables(bank_groups, plan, moe_tables.sorted_table_builder(on_host=True), splits)
         for w, g in zip(want, got, strict=True):
             assert torch.equal(g.table, w.table) and (g.items, g.cols, g.part) == (w.items, w.cols, w.part)
 
@@ -132,7 +134,7 @@ def test_library_plan_equals_the_torch_reference(compiled_lib, monkeypatch, toke
     ids[ids.numel() // 2] = experts  # outside [0, experts): another rank's expert
     for dtype in (torch.int32, torch.int64):
         want = torch_sorted_plan(ids.to(dtype), experts, tile)
-        rows, src_expert, filled = ck.sorted_plan_launch(ids.to(dtype), experts, tile, want.sources)
+        rows, src_expert, filled = moe_tables.sorted_plan_launch(ids.to(dtype), experts, tile, want.sources)
         assert torch.equal(rows, want.rows) and torch.equal(src_expert, want.experts), (dtype, tokens)
         assert int(filled) == int(want.filled)
 
@@ -187,14 +189,15 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
                         for (k, n), b in zip(((hidden, inter), (hidden, inter), (inter, hidden)), bits, strict=True)])
     by_ptr, banks = {}, []
     for r in range(3):
-        tiles = [ck.prepare(w[r][0]) for w in weights]
+        tiles = [dense.prepare(w[r][0]) for w in weights]
         for e, t in enumerate(tiles):
             by_ptr[t.data_ptr()] = (t, weights[e][r][1], weights[e][r][2])
         nt, kt = tiles[0].shape[:2]
         pointers = [(t.data_ptr(), w[r][1].data_ptr(), w[r][2].data_ptr())
                     for t, w in zip(tiles, weights, strict=True)]
-        rows = ck.bank_rows(pointers, nt, 2)
-        banks.append(ck.Exl3ExpertBank(rows=rows, n_tiles=nt, k_tiles=kt, splits=2, k2=2 * bits[r], codebook=int(cb),
+        rows = moe_tables.bank_rows(pointers, nt, 2)
+        banks.append(moe_tables.Exl3ExpertBank(
+                rows=rows, n_tiles=nt, k_tiles=kt, splits=2, k2=2 * bits[r], codebook=int(cb),
                                        sources=(tuple(tiles),)))
     x = torch.randn(tokens, hidden, generator=gen).half()
     ids = _routing(tokens, topk, experts, seed=tokens + 1)
@@ -203,7 +206,8 @@ def test_moe_forward_equals_the_codec(compiled_lib, monkeypatch, path, tokens, t
     if path == "sorted":
         got = sorted_moe(x, ids, w, *banks, gelu, run=run, fused=False)
     else:
-        got = routed_moe(x, ids, w, *banks, gelu, run=run, build=ck.routed_table_builder(on_host=True), fused=False)
+        got = routed_moe(x, ids, w, *banks, gelu, run=run, build=moe_tables.routed_table_builder(on_host=True),
+                         fused=False)
 
     want = codec_moe(x, ids, w, weights, cb, gelu)
     assert not torch.isnan(got).any()
@@ -221,10 +225,11 @@ def test_kernel_lookup_skips_empty_sources(compiled_lib, monkeypatch):
     lib = ctypes.CDLL(str(compiled_lib))
     lib.exl3_group_probe.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
                                      ctypes.c_void_p]
-    banks = [ck.Exl3ExpertBank(rows=ck.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(5)], 48, 8),
+    banks = [moe_tables.Exl3ExpertBank(
+            rows=moe_tables.bank_rows([(100 * b + e, 200 + e, 300 + e) for e in range(5)], 48, 8),
                                n_tiles=48, k_tiles=16, splits=8, k2=4, codebook=1) for b in range(2)]
     plan = sorted_plan(torch.tensor([0, 3, 3, 1, 4, 3, -1, 0], dtype=torch.int32), 5, 8)
-    (t,) = sorted_tables([banks], plan, ck.sorted_table_builder(on_host=True))
+    (t,) = sorted_tables([banks], plan, moe_tables.sorted_table_builder(on_host=True))
     table, items, cols = t.table, t.items, t.cols
     s, filled, per = plan.sources, int(plan.filled), 48  # unsplit: one item per column tile
 
@@ -244,7 +249,8 @@ def test_kernel_lookup_skips_empty_sources(compiled_lib, monkeypatch):
 def test_fused_moe_stages_x_in_shared_memory_by_the_group_policy():
     """Which of the fused forward's two GEMMs stage x in shared memory: sorted tiles of 8+ rows (MCG) and per-pair
     sources of MUL1, each while its K slice fits XS_GROUP_SMEM_BYTES (Qwen3-30B-A3B: gate/up K = 2048, down 768)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank, MoeTables
+    from sglang_exl3.kernels.moe_ops import MoeTables
+    from sglang_exl3.kernels.moe_tables import Exl3ExpertBank
 
     def bank(k_tiles: int, cb: Codebook) -> Exl3ExpertBank:
         return Exl3ExpertBank(rows=torch.zeros(4, 8, dtype=torch.int64), n_tiles=48, k_tiles=k_tiles, splits=1, k2=8,
@@ -265,13 +271,14 @@ def test_fused_moe_stages_x_in_shared_memory_by_the_group_policy():
 def test_shared_memory_x_splits_keep_the_partials_bounded():
     """The split count raised for the x slice stops at XS_PARTIAL_BYTES of fp32 partials; past that the slice grows
     up to the kernel's shared memory, else no shared-memory x at all (a 151936-wide lm_head at 64 rows)."""
-    assert ck.xs_splits(16, 256, 896, 5) == 6  # 4096x14336: the 24 KB budget's 6 splits, 5.5 MB of partials
-    assert ck.xs_splits(64, 256, 896, 5) == 12  # 48 KB budget, 44 MB of partials
-    s = ck.xs_splits(64, 320, 1728, 5)  # 5120x27648: the budget wants 14 splits (99 MB); the cap allows 9
-    assert s == 9 and s * 64 * 27648 * 4 <= ck.XS_PARTIAL_BYTES and ck.xs_smem(64, -(-320 // s)) <= 96 << 10
-    assert ck.xs_splits(64, 256, 9496, 1) is None  # lm_head: 1 split (39 MB) leaves a 526 KB slice
-    s = ck.xs_splits(32, 256, 9496, 1)  # at 32 rows: 3 splits, an 88 KB slice
-    assert s == 3 and ck.xs_smem(32, -(-256 // s)) <= 96 << 10
+    assert dispatch.xs_splits(16, 256, 896, 5) == 6  # 4096x14336: the 24 KB budget's 6 splits, 5.5 MB of partials
+    assert dispatch.xs_splits(64, 256, 896, 5) == 12  # 48 KB budget, 44 MB of partials
+    s = dispatch.xs_splits(64, 320, 1728, 5)  # 5120x27648: the budget wants 14 splits (99 MB); the cap allows 9
+    assert s == 9 and s * 64 * 27648 * 4 <= dispatch.CROSSOVERS.xs_partial_bytes
+    assert dispatch.xs_smem(64, -(-320 // s)) <= 96 << 10
+    assert dispatch.xs_splits(64, 256, 9496, 1) is None  # lm_head: 1 split (39 MB) leaves a 526 KB slice
+    s = dispatch.xs_splits(32, 256, 9496, 1)  # at 32 rows: 3 splits, an 88 KB slice
+    assert s == 3 and dispatch.xs_smem(32, -(-256 // s)) <= 96 << 10
 
 
 def test_sorted_splits_only_where_the_tiles_leave_the_sms_idle():
@@ -279,8 +286,8 @@ def test_sorted_splits_only_where_the_tiles_leave_the_sms_idle():
     splits while its few tiles fill less than a wave; the Qwen3-30B-A3B layer, sorted from 64 tiles, stays unsplit."""
     from sglang_exl3.kernels.moe_sorted import sorted_splits
 
-    def bank(k_tiles: int, n_tiles: int) -> ck.Exl3ExpertBank:
-        return ck.Exl3ExpertBank(rows=torch.zeros(8, 8, dtype=torch.int64), n_tiles=n_tiles, k_tiles=k_tiles,
+    def bank(k_tiles: int, n_tiles: int) -> moe_tables.Exl3ExpertBank:
+        return moe_tables.Exl3ExpertBank(rows=torch.zeros(8, 8, dtype=torch.int64), n_tiles=n_tiles, k_tiles=k_tiles,
                                  splits=1, k2=8, codebook=1)
 
     cpu = torch.device("cpu")

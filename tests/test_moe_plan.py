@@ -33,35 +33,43 @@ def test_prefill_slices_at_capacity_and_refuses_more_than_planned():
 
 
 def test_parity_below_min_m_is_eager_only():
-    p = plan(512, TRELLIS_MIN_M=4)
+    p = plan(512, MOE_DECODE_MIN_M=4)
     assert p.segments(3, False, LAYER, "draft") == [(PARITY, 0, 3)]
     with pytest.raises(RuntimeError, match=r"parity path entered during CUDA graph capture \(m=3\).*"
                                            r"model.layers.3.mlp.experts' was classified as draft.*"
-                                           r"SGLANG_EXL3_TRELLIS_MIN_M \(now 4\)"):
+                                           r"SGLANG_EXL3_MOE_DECODE_MIN_M \(now 4\)"):
         p.segments(3, True, LAYER, "draft")
 
 
-def test_prefill_trellis_off_restores_single_plan_with_full_parity_staging():
-    p = plan(300, PREFILL_TRELLIS=0, PREFILL_CHUNK=64)
+def test_prefill_plan_off_restores_single_plan_with_full_parity_staging():
+    p = plan(300, MOE_PREFILL_PLAN=0, MOE_PARITY_CHUNK=64)
     assert not p.prefill_plan_enabled and p.parity_rows == 300
     assert p.segments(150, False, LAYER, "target") == [(PARITY, 0, 64), (PARITY, 64, 128), (PARITY, 128, 150)]
-    with pytest.raises(RuntimeError, match="SGLANG_EXL3_PREFILL_TRELLIS=1"):
+    with pytest.raises(RuntimeError, match="SGLANG_EXL3_MOE_PREFILL_PLAN=1"):
         p.segments(150, True, LAYER, "target")
     assert plan(32).parity_rows == 32  # no batch above the decode plan: no prefill plan either
 
 
 @pytest.mark.parametrize("env, capacity, message", [
-    ({"TRELLIS_MIN_M": 9, "TRELLIS_MAX_M": 8}, None, r"SGLANG_EXL3_TRELLIS_MIN_M \(9\) cannot exceed "
-                                                      r"SGLANG_EXL3_TRELLIS_MAX_M \(8\)"),
-    ({"TRELLIS_MIN_M": 20, "PREFILL_CHUNK": 16}, None, r"SGLANG_EXL3_PREFILL_CHUNK \(16\) cannot cover the EXL3 "
-                                                       r"parity window .* up to 19 rows"),
+    ({"MOE_DECODE_MIN_M": 9, "MOE_DECODE_MAX_M": 8}, None, r"SGLANG_EXL3_MOE_DECODE_MIN_M \(9\) cannot exceed "
+                                                            r"SGLANG_EXL3_MOE_DECODE_MAX_M \(8\)"),
+    ({"MOE_DECODE_MIN_M": 20, "MOE_PARITY_CHUNK": 16}, None, r"SGLANG_EXL3_MOE_PARITY_CHUNK \(16\) cannot cover "
+                                                             r"the EXL3 parity window .* up to 19 rows"),
+    ({"TRELLIS_MIN_M": 9, "TRELLIS_MAX_M": 8}, None, r"SGLANG_EXL3_MOE_DECODE_MIN_M \(9\) cannot exceed"),  # aliases
     ({}, 1024, r"prefill capacity 1024 must lie in \[1, 512\]"),
-    ({"TRELLIS_MAX_M": "x"}, None, "SGLANG_EXL3_TRELLIS_MAX_M must be a positive integer"),
-    ({"PREFILL_BLOCK_M": 12}, None, "SGLANG_EXL3_PREFILL_BLOCK_M must be one of 8, 16, 32, 48, 64"),
+    ({"MOE_DECODE_MAX_M": "x"}, None, "SGLANG_EXL3_MOE_DECODE_MAX_M must be a positive integer"),
+    ({"TRELLIS_MAX_M": "x"}, None, "SGLANG_EXL3_TRELLIS_MAX_M must be a positive integer"),  # names what is set
+    ({"TRELLIS_MAX_M": 8, "MOE_DECODE_MAX_M": 8}, None, "SGLANG_EXL3_MOE_DECODE_MAX_M and its alias "
+                                                        "SGLANG_EXL3_TRELLIS_MAX_M are both set"),
 ])
 def test_inconsistent_knobs_fail_when_the_plan_is_built(env, capacity, message):
     with pytest.raises(ValueError, match=message):
         plan(512, capacity, **env)
+
+
+def test_the_vllm_spellings_set_the_plan():
+    p = plan(512, TRELLIS_MIN_M=2, TRELLIS_MAX_M=16, PREFILL_CHUNK=64, PREFILL_TRELLIS=0)
+    assert (p.min_m, p.max_m, p.chunk, p.prefill_plan) == (2, 16, 64, False)
 
 
 def test_scheduler_bound_is_required():

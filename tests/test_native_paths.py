@@ -98,23 +98,22 @@ def test_check_is_the_same_for_files_and_folders(safe):
 def test_build_cache_must_be_private(tmp_path, monkeypatch):
     """The per-user cache that `auto` loads and writes: a world-writable XDG_CACHE_HOME is refused before anything
     is built or loaded, and a cached library that others could have written is refused."""
-    from sglang_exl3.kernels import cuda_trellis as ck
-
+    from sglang_exl3.kernels import library
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o777)
     cache.chmod(0o777)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     monkeypatch.delenv("SGLANG_EXL3_KERNEL_LIB", raising=False)
-    with pytest.raises(ck.KernelLibraryUnavailable, match="kernel build cache.*is refused: its folder .* is "
+    with pytest.raises(library.KernelLibraryUnavailable, match="kernel build cache.*is refused: its folder .* is "
                                                          "world-writable.*XDG_CACHE_HOME"):
-        ck.build_cached_library("90")
+        library.build_cached_library("90")
     cache.chmod(0o755)
-    lib = ck.cache_path("90")
+    lib = library.cache_path("90")
     lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lib.write_bytes(b"\x7fELF")
     lib.chmod(0o666)
-    with pytest.raises(ck.KernelLibraryUnavailable, match="is refused: it is group- or world-writable"):
-        ck.build_cached_library("90")
-    monkeypatch.setattr(ck, "_arch_tag", lambda arch: "90")
-    with pytest.raises(ck.KernelLibraryUnavailable, match="is refused: it is group- or world-writable"):
-        ck.library_path()
+    with pytest.raises(library.KernelLibraryUnavailable, match="is refused: it is group- or world-writable"):
+        library.build_cached_library("90")
+    monkeypatch.setattr(library, "arch_tag", lambda arch: "90")
+    with pytest.raises(library.KernelLibraryUnavailable, match="is refused: it is group- or world-writable"):
+        library.library_path()

@@ -212,7 +212,7 @@ def test_bad_knob_fails_model_load(monkeypatch):
     from sglang_exl3.knobs import KnobError
 
     monkeypatch.setenv("SGLANG_EXL3_BACKEND", "cuda-magic")
-    with pytest.raises(KnobError, match="SGLANG_EXL3_BACKEND must be one of auto, cuda, triton, exllamav3, torch"):
+    with pytest.raises(KnobError, match="SGLANG_EXL3_BACKEND must be one of auto, cuda, exllamav3, torch"):
         exl3_config(DATA / "exllamav3" / DENSE_CKPTS[0].name)
 
 

@@ -79,8 +79,8 @@ def test_moe_layers_match_reference(name, block, roles):
 def test_every_dispatch_path_matches_reference(monkeypatch, rows, path):
     """MIN_M=4, MAX_M=8, prefill capacity = the scheduler bound: 2 rows take the eager parity path (routed
     experts only), 6 the decode plan, 9 the prefill plan; all must give the same MoE output."""
-    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MIN_M", "4")
-    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MAX_M", "8")
+    monkeypatch.setenv("SGLANG_EXL3_MOE_DECODE_MIN_M", "4")
+    monkeypatch.setenv("SGLANG_EXL3_MOE_DECODE_MAX_M", "8")
     name, block, roles = MOE_CKPTS[0]
     model, _, _ = _check_layers(name, block, roles, rows=rows)
     experts = model.model.layers[0].mlp.experts
@@ -91,9 +91,9 @@ def test_every_dispatch_path_matches_reference(monkeypatch, rows, path):
 def test_bad_plan_knobs_fail_the_load(monkeypatch):
     from sglang_exl3.runtime import MoEPlanError
 
-    monkeypatch.setenv("SGLANG_EXL3_TRELLIS_MIN_M", "20")
-    monkeypatch.setenv("SGLANG_EXL3_PREFILL_CHUNK", "16")
-    with pytest.raises(MoEPlanError, match="SGLANG_EXL3_PREFILL_CHUNK \\(16\\) cannot cover the EXL3 parity window"):
+    monkeypatch.setenv("SGLANG_EXL3_MOE_DECODE_MIN_M", "20")
+    monkeypatch.setenv("SGLANG_EXL3_MOE_PARITY_CHUNK", "16")
+    with pytest.raises(MoEPlanError, match="SGLANG_EXL3_MOE_PARITY_CHUNK \\(16\\) cannot cover the EXL3 parity window"):
         load_model(DATA / "exllamav3" / MOE_CKPTS[0][0])
 
 

@@ -137,10 +137,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _build_kernels(args: argparse.Namespace) -> int:
-    from sglang_exl3.kernels.cuda_trellis import KernelLibraryUnavailable, build_library
+    from sglang_exl3.kernels.library import KernelLibraryUnavailable, build_library
 
     try:
-        path = build_library(out=args.out, arch=args.arch, verbose=args.verbose, only_4bit_mcg=args.only_4bit_mcg)
+        path = build_library(out=args.out, arch=args.arch, verbose=args.verbose, only_4bit_mcg=args.only_4bit_mcg,
+                             jobs=args.jobs)
     except (KernelLibraryUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -230,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="where to write the .so (default: the per-user cache, which the "
                    "server finds; elsewhere, point SGLANG_EXL3_KERNEL_LIB at it)")
     b.add_argument("--verbose", action="store_true", help="print ptxas register and spill reports")
-    b.add_argument("--only-4bit-mcg", action="store_true", help="kernel development: 4-bit MCG kernels only, "
-                   "built in ~35 s; needs --out, and never serves other bitrates")
+    b.add_argument("--only-4bit-mcg", action="store_true", help="kernel development: the 4-bit MCG variant of every "
+                   "kernel only (docs/kernels.md gives the build times); needs --out, and never serves other bitrates")
+    b.add_argument("--jobs", type=int, default=None, help="units compiled at once (default: the CPU count)")
     b.set_defaults(func=_build_kernels)
     m = sub.add_parser("demo", help="serve a small EXL3 model with SGLang and chat with it (needs a GPU)")
     m.add_argument("--port", type=int, default=30117)

@@ -124,8 +124,8 @@ def handle_request(scheduler, req: Exl3CartridgeReqInput) -> Exl3CartridgeReqOut
         if knobs.get("CARTRIDGES") == "off":
             raise CartridgeError("expert cartridges are off; start the server with SGLANG_EXL3_CARTRIDGES=recapture "
                                  "or resident")
-        if fault is not None and (not knobs.get("CARTRIDGE_FAULTS") or fault not in swap.FAULT_POINTS):
-            raise CartridgeError(f"inject_fault {fault!r} needs SGLANG_EXL3_CARTRIDGE_FAULTS=1 and one of "
+        if fault is not None and (not knobs.get("TEST_CARTRIDGE_FAULTS") or fault not in swap.FAULT_POINTS):
+            raise CartridgeError(f"inject_fault {fault!r} needs SGLANG_EXL3_TEST_CARTRIDGE_FAULTS=1 and one of "
                                  f"{swap.FAULT_POINTS}")
         steps = _steps(scheduler)
         if req.action == "stage":

@@ -1,4 +1,4 @@
-"""Choosing and loading a GEMM backend (`SGLANG_EXL3_BACKEND`: auto|triton|exllamav3|torch)."""
+"""Choosing and loading a GEMM backend (`SGLANG_EXL3_BACKEND`: auto|cuda|exllamav3|torch)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from sglang_exl3 import knobs
 class Backend(enum.IntEnum):
     TORCH = 0
     EXLLAMAV3 = 1
-    TRITON = 2
-    CUDA = 3
+    CUDA = 3  # 2 was the Triton backend (docs/decisions.md)
 
 
 class BackendUnavailable(RuntimeError):
@@ -49,7 +48,7 @@ def load_exllamav3_ext():
 
 
 def _load_our_kernels(build: bool):
-    from sglang_exl3.kernels.cuda_trellis import KernelLibraryUnavailable, load_library
+    from sglang_exl3.kernels.library import KernelLibraryUnavailable, load_library
 
     try:
         return load_library(build)
@@ -61,7 +60,7 @@ _BUILD_FAILED: list[str] = []  # a failed first-use build is not retried by ever
 
 
 def _may_build() -> bool:
-    from sglang_exl3.kernels.cuda_trellis import find_nvcc
+    from sglang_exl3.kernels.build import find_nvcc
 
     return bool(knobs.get("AUTO_BUILD")) and not _BUILD_FAILED and find_nvcc() is not None
 
@@ -94,17 +93,13 @@ def resolve_backend(device: torch.device) -> Backend:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=cuda needs a CUDA device")
         _load_our_kernels(build=True)
         return Backend.CUDA
-    if choice == "triton":  # explicit only until measured on the GPU (auto does not pick it yet)
-        if not cuda:
-            raise BackendUnavailable("SGLANG_EXL3_BACKEND=triton needs a CUDA device")
-        return Backend.TRITON
     if choice == "exllamav3":
         if not cuda:
             raise BackendUnavailable("SGLANG_EXL3_BACKEND=exllamav3 needs a CUDA device")
         load_exllamav3_ext()
         return Backend.EXLLAMAV3
-    # auto: our kernels, compiled on first use where nvcc exists (about a minute, once per GPU arch and source
-    # version; SGLANG_EXL3_AUTO_BUILD=0 turns that off); exllamav3 only when its extension is already built
+    # auto: our kernels, compiled on first use where nvcc exists (once per GPU arch and source version;
+    # SGLANG_EXL3_AUTO_BUILD=0 turns that off); exllamav3 only when its extension is already built
     # (SGLANG_EXL3_EXT_PATH or a prebuilt exllamav3_ext module): importing exllamav3 otherwise starts its own
     # JIT build of several minutes.
     if cuda and torch.cuda.get_device_capability(device)[0] >= 8:

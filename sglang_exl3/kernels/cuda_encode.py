@@ -1,4 +1,4 @@
-"""The trellis encoder on our CUDA kernels (csrc/exl3_trellis.cu): the same search as codec/encode.py's torch encoder
+"""The trellis encoder on our CUDA kernels (csrc/encode/): the same search as codec/encode.py's torch encoder
 and the same path bit for bit (tests/gpu/test_encode_cuda.py compares them), at GPU speed.
 
 Two kernels find it. `exl3_quantize_tiles` (K = 1..8) is the search as written: one block per tile, codebook values
@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from sglang_exl3.codec.codebook import Codebook, codebook_table
-from sglang_exl3.kernels.cuda_trellis import _check, _stream, load_library
+from sglang_exl3.kernels.library import check, load_library, stream
 
 SCRATCH_BYTES = 1 << 30  # the plain kernel's backpointers (256 x 2^(16-K) uint16 per tile) and costs of one chunk
 _FAST_BLOCKS: dict[tuple[int, int, int], int] = {}
@@ -46,8 +46,8 @@ def _fast(x: torch.Tensor, k: int, codebook: Codebook, states: torch.Tensor) -> 
     lib = load_library()
     blocks = _resident_blocks(lib, x.device, k, int(codebook))
     snaps = torch.empty(blocks, lib.exl3_quantize_tiles_fast_scratch(k), dtype=torch.float32, device=x.device)
-    _check(lib.exl3_quantize_tiles_fast(x.data_ptr(), states.data_ptr(), snaps.data_ptr(), x.shape[0], k,
-                                        int(codebook), blocks, None, _stream(x)), "quantize_tiles_fast")
+    check(lib.exl3_quantize_tiles_fast(x.data_ptr(), states.data_ptr(), snaps.data_ptr(), x.shape[0], k,
+                                        int(codebook), blocks, None, stream(x)), "quantize_tiles_fast")
     return states
 
 
@@ -56,7 +56,7 @@ def _resident_blocks(lib, device: torch.device, k: int, cb: int) -> int:
     if key not in _FAST_BLOCKS:
         out = ctypes.c_int(0)
         with torch.cuda.device(device):
-            _check(lib.exl3_quantize_tiles_fast(None, None, None, 0, k, cb, 0, ctypes.byref(out), None),
+            check(lib.exl3_quantize_tiles_fast(None, None, None, 0, k, cb, 0, ctypes.byref(out), None),
                    "quantize_tiles_fast (occupancy)")
         _FAST_BLOCKS[key] = out.value
     return _FAST_BLOCKS[key]
@@ -71,6 +71,6 @@ def _plain(x: torch.Tensor, k: int, codebook: Codebook, states: torch.Tensor) ->
     lib = load_library()
     for c0 in range(0, x.shape[0], chunk):
         n = min(chunk, x.shape[0] - c0)
-        _check(lib.exl3_quantize_tiles(x[c0:].data_ptr(), table.data_ptr(), states[c0:].data_ptr(), cost.data_ptr(),
-                                       back.data_ptr(), n, k, _stream(x)), "quantize_tiles")
+        check(lib.exl3_quantize_tiles(x[c0:].data_ptr(), table.data_ptr(), states[c0:].data_ptr(), cost.data_ptr(),
+                                       back.data_ptr(), n, k, stream(x)), "quantize_tiles")
     return states

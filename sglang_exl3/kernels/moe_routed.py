@@ -7,18 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from sglang_exl3.kernels.cuda_trellis import (
-    MAX_FUSED_TOPK,
-    Exl3ExpertBank,
-    MoeTables,
-    act_mul,
-    flat_routing_ids,
-    group_run,
-    moe_combine,
-    moe_fused,
-    routed_table_builder,
-    routed_tables,
-)
+from sglang_exl3.kernels.groups import group_run
+from sglang_exl3.kernels.moe_ops import MAX_FUSED_TOPK, MoeTables, act_mul, moe_combine, moe_fused
+from sglang_exl3.kernels.moe_tables import Exl3ExpertBank, flat_routing_ids, routed_table_builder, routed_tables
 
 
 def routed_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate: Exl3ExpertBank,

@@ -16,18 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_exl3.kernels.cuda_trellis import (
-    MAX_FUSED_TOPK,
+from sglang_exl3.kernels.dispatch import decode_splits
+from sglang_exl3.kernels.groups import group_run, pack_tiles_splits
+from sglang_exl3.kernels.moe_ops import MAX_FUSED_TOPK, MoeTables, act_mul, moe_combine, moe_fused
+from sglang_exl3.kernels.moe_tables import (
     MAX_PLAN_EXPERTS,
     Exl3ExpertBank,
-    MoeTables,
-    act_mul,
-    decode_splits,
     flat_routing_ids,
-    group_run,
-    moe_combine,
-    moe_fused,
-    pack_tiles_splits,
     sorted_gather,
     sorted_plan_launch,
     sorted_table_builder,
@@ -151,8 +146,8 @@ def sorted_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     five-launch forward after the sort and gather; else the stages one by one, where `run` runs a group table
     (tests pass an emulator of the kernels). Gate and up of other bitrates (R7) run as two groups, unfused. The
     tables come from `build` (sorted_tables; default: the library's one launch for CUDA x, torch for CPU x).
-    `split_k`: each group's sources split along K (sorted_splits) rather than unsplit; not yet the dispatch's
-    choice (unmeasured: benchmarks/moe.py --both-paths times it as ours_sorted_split_us)."""
+    `split_k`: each group's sources split along K (sorted_splits) rather than unsplit; not the dispatch's choice
+    until measured (benchmarks/moe.py --both-paths times it as ours_sorted_split_us)."""
     m, topk = topk_ids.shape
     split = not gate.runs_with(up)
     fused = fused and topk <= MAX_FUSED_TOPK and not split

@@ -41,18 +41,9 @@ def _exllamav3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, s
     return out
 
 
-def _triton_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                 codebook: int) -> torch.Tensor:
-    from sglang_exl3.kernels.triton_trellis import triton_gemm_rotated
-
-    xh = had_r_128(x, pre_scale=suh)
-    acc = triton_gemm_rotated(xh, trellis, Codebook(codebook))
-    return had_r_128(acc, post_scale=svh, out_dtype=torch.float16)
-
-
 def _cuda_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                codebook: int) -> torch.Tensor:
-    from sglang_exl3.kernels.cuda_trellis import exl3_linear
+    from sglang_exl3.kernels.dense import exl3_linear
 
     return exl3_linear(x, trellis, suh, svh, Codebook(codebook))
 
@@ -61,14 +52,12 @@ def _cuda_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: t
 def exl3_gemm(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
               w_hat: torch.Tensor | None, codebook: int, backend: int) -> torch.Tensor:
     """x: fp16 [m, K] contiguous (bf16 also for Backend.CUDA; y has x's dtype); trellis int16 [K/16, N/16, 16*bits]
-    (for Backend.CUDA: [N/16, K/16, 16*bits], see cuda_trellis.prepare); suh fp16 [K]; svh fp16 [N]."""
+    (for Backend.CUDA: [N/16, K/16, 16*bits], see dense.prepare); suh fp16 [K]; svh fp16 [N]."""
     if backend == Backend.CUDA:
         return _cuda_gemm(x, trellis, suh, svh, codebook)
     x16 = x.to(torch.float16)  # the other backends compute in fp16
     if backend == Backend.EXLLAMAV3:
         y = _exllamav3_gemm(x16, trellis, suh, svh, codebook)
-    elif backend == Backend.TRITON:
-        y = _triton_gemm(x16, trellis, suh, svh, codebook)
     else:
         y = _torch_gemm(x16, trellis, suh, svh, w_hat, codebook)
     return y.to(x.dtype)
@@ -85,9 +74,9 @@ def exl3_gemm_group(x: torch.Tensor, tiles: list[torch.Tensor], suh: list[torch.
                     table: torch.Tensor, meta: list[int], codebook: int) -> torch.Tensor:
     """Our CUDA kernels only: [m, sum N] = the concatenated outputs of every source for fp16 or bf16 x [m, K] (of
     x's dtype).
-    `tiles` are prepare()d; `table` and `meta` come from cuda_trellis.make_group (Exl3Group.meta). The output
-    rotation is its own launch (group_linear's default)."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3Group, exl3_linear, group_linear
+    `tiles` are prepare()d; `table` and `meta` come from groups.make_group (Exl3Group.meta)."""
+    from sglang_exl3.kernels.dense import exl3_linear
+    from sglang_exl3.kernels.groups import Exl3Group, group_linear
 
     group = Exl3Group.from_meta(table, meta, codebook)
     if group.runs_fused(x.shape[0]):
@@ -103,23 +92,22 @@ def _(x, tiles, suh, svh, table, meta, codebook):
 
 @torch.library.custom_op("exl3::one_launch", mutates_args=())
 def exl3_one_launch(x: torch.Tensor, table: torch.Tensor, counters: torch.Tensor, meta: list[int],
-                    codebook: int, rotate_first: bool = False) -> torch.Tensor:
-    """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (cuda_trellis.one_launch_linear;
-    rotate_first: two, x rotated by its own launch first); `table` / `meta` / `counters` come from
-    cuda_trellis.make_one_launch. The counters are zero before and after every call (the kernel resets what it
-    counts), so the op mutates nothing that outlives it."""
-    from sglang_exl3.kernels.cuda_trellis import Exl3Group, one_launch_linear
+                    codebook: int) -> torch.Tensor:
+    """Our CUDA kernels only: gemm_group's result in one launch for decode-sized m (groups.one_launch_linear);
+    `table` / `meta` / `counters` come from groups.make_one_launch. The counters are zero before and after every call
+    (the kernel resets what it counts), so the op mutates nothing that outlives it."""
+    from sglang_exl3.kernels.groups import Exl3Group, one_launch_linear
 
-    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters, rotate_first=rotate_first)
+    return one_launch_linear(x, Exl3Group.from_meta(table, meta, codebook), counters)
 
 
 @exl3_one_launch.register_fake
-def _(x, table, counters, meta, codebook, rotate_first=False):
+def _(x, table, counters, meta, codebook):
     return x.new_empty((x.shape[0], meta[3]))  # Exl3Group.meta: total_cols
 
 
 def _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta):
-    from sglang_exl3.kernels.cuda_trellis import Exl3ExpertBank
+    from sglang_exl3.kernels.moe_tables import Exl3ExpertBank
 
     return (Exl3ExpertBank.from_meta(gate_rows, gate_meta), Exl3ExpertBank.from_meta(up_rows, up_meta),
             Exl3ExpertBank.from_meta(down_rows, down_meta))
@@ -132,7 +120,7 @@ def exl3_moe_routed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Our CUDA kernels only: fp32 [m, H] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j],
     for fp16 x [m, K] (or bf16, read by the fused forward as if cast); only routed experts are read (ids < 0:
     another expert-parallel rank's, weight 0), one source per (token, expert) pair (kernels/moe_routed.py). The
-    rows/meta come from cuda_trellis.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
+    rows/meta come from moe_tables.make_expert_bank (Exl3ExpertBank.rows / .meta)."""
     from sglang_exl3.kernels.moe_routed import routed_moe
 
     banks = _expert_banks(gate_rows, up_rows, down_rows, gate_meta, up_meta, down_meta)
@@ -162,11 +150,12 @@ exl3_moe_sorted.register_fake(_moe_fake)
 def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_rows: torch.Tensor,
                     up_rows: torch.Tensor, down_rows: torch.Tensor, gate_up_meta: list[int], down_meta: list[int],
                     gelu: bool, counters: torch.Tensor, out_kind: int) -> torch.Tensor:
-    """moe_routed's result in two launches (cuda_trellis.moe_decode), in fp32, fp16 or bf16 (out_kind 0 / 1 / 2:
-    the fp32 result rounded, so a layer's cast back to the model's dtype is folded in). `counters` come from
-    cuda_trellis.decode_counters: zero before and after every call (the kernels reset what they count), so the
-    op mutates nothing that outlives it."""
-    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES, flat_routing_ids, moe_decode
+    """moe_routed's result in two launches (moe_ops.moe_decode), in fp32, fp16 or bf16 (out_kind 0 / 1 / 2: the
+    fp32 result rounded, so a layer's cast back to the model's dtype is folded in). `counters` come from
+    moe_ops.decode_counters: zero before and after every call (the kernels reset what they count), so the op mutates
+    nothing that outlives it."""
+    from sglang_exl3.kernels.moe_ops import DECODE_OUT_DTYPES, moe_decode
+    from sglang_exl3.kernels.moe_tables import flat_routing_ids
 
     gate, up, down = _expert_banks(gate_rows, up_rows, down_rows, gate_up_meta, gate_up_meta, down_meta)
     return moe_decode(x, flat_routing_ids(topk_ids), topk_weights.reshape(-1).to(torch.float32), gate, up, down,
@@ -175,6 +164,6 @@ def exl3_moe_decode(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 @exl3_moe_decode.register_fake
 def _(x, topk_ids, topk_weights, gate_rows, up_rows, down_rows, gate_up_meta, down_meta, gelu, counters, out_kind):
-    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES
+    from sglang_exl3.kernels.moe_ops import DECODE_OUT_DTYPES
 
     return x.new_empty((x.shape[0], down_meta[0] * 16), dtype=DECODE_OUT_DTYPES[out_kind])

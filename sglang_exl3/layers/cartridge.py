@@ -44,7 +44,7 @@ class LayerCartridge:
 def _decode(trellis: torch.Tensor, codebook: Codebook, kernel_layout: bool) -> torch.Tensor:
     """W_hat fp16 [K, N], bit-exact, from a trellis in either layout."""
     if kernel_layout:
-        from sglang_exl3.kernels.cuda_trellis import reconstruct
+        from sglang_exl3.kernels.dense import reconstruct
 
         return reconstruct(trellis, codebook)
     from sglang_exl3.codec.trellis import reconstruct
@@ -144,7 +144,7 @@ def prepare_layer(layer: torch.nn.Module, prefix: str, index: CartridgeIndex) ->
                 continue
             t = _residual(residual.trellis, projection, tiles, cut_tiles, shard.trellis.device, prefix)
             if shard.kernel_layout:
-                from sglang_exl3.kernels.cuda_trellis import prepare
+                from sglang_exl3.kernels.dense import prepare
 
                 t = prepare(t)
             inverse = torch.tensor(residual.scale, dtype=torch.float32).reciprocal().item()

@@ -10,7 +10,7 @@ steps once the server has drained, and how every failure returns to the base.
 - `deactivate()`, drained: back to the base, flush, recapture.
 
 `agree(ok)` is the TP vote (all ranks' ok, via all_gather on the CPU group); one rank alone votes for itself.
-Faults can be injected at named points for the rollback evidence (SGLANG_EXL3_CARTRIDGE_FAULTS=1).
+Faults can be injected at named points for the rollback evidence (SGLANG_EXL3_TEST_CARTRIDGE_FAULTS=1).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def prepare_for_backend(shards, backend: Backend) -> None:
         if backend == Backend.TORCH:
             shard.w_hat = reconstruct(shard.trellis, shard.codebook)
         elif backend == Backend.CUDA and not shard.kernel_layout:
-            from sglang_exl3.kernels.cuda_trellis import prepare
+            from sglang_exl3.kernels.dense import prepare
 
             shard.trellis = prepare(shard.trellis)
             shard.kernel_layout = True
@@ -134,24 +134,25 @@ def group_shards(shards: list[Exl3Shard], backend: Backend):
     take 3 launches instead of 3 per source; None where the sources cannot share launches."""
     if backend != Backend.CUDA or len(shards) < 2 or not _share_launches(shards):
         return None
-    from sglang_exl3.kernels.cuda_trellis import make_group
+    from sglang_exl3.kernels.groups import make_group
 
     return make_group([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
                       shards[0].codebook)
 
 
-def cluster_shard(shards: list[Exl3Shard], backend: Backend):
-    """A single linear as a one-source group for the wgmma ring's cluster form (SGLANG_EXL3_WG_CLUSTER, read at
-    load), so that its 33-64 rows skip the split-K partials as a group's do; None with the knob at 0, for several
-    shards (their group has the form), or where the knob's mode does not take the source's wgmma splits (an
-    lm_head has none; o and down keep 8, which one-split leaves to the partials)."""
-    mode = knobs.get("WG_CLUSTER")
-    if backend != Backend.CUDA or len(shards) != 1 or mode == "0" or not _share_launches(shards):
+def rotating_shard(shards: list[Exl3Shard], backend: Backend):
+    """A single linear as a one-source group for the wgmma ring's rotating form (its output rotated inside the GEMM's
+    launch), so that its 33-64 rows skip the split-K partials as a group's do; None with SGLANG_EXL3_DEV_WG_ROTATING
+    off (read at load), for several shards (their group has the form), or where the source's wgmma rows are not at
+    one split (an lm_head has none; o and down keep 8 on the H100)."""
+    if backend != Backend.CUDA or len(shards) != 1 or knobs.get("DEV_WG_ROTATING") == "off" or \
+            not _share_launches(shards):
         return None
-    from sglang_exl3.kernels.cuda_trellis import cluster_form_for, make_group, single_wg_cluster
+    from sglang_exl3.kernels.dispatch import single_wg_one_split
+    from sglang_exl3.kernels.groups import make_group
 
     s = shards[0]
-    if not cluster_form_for(single_wg_cluster(s.trellis.shape[1], s.trellis.shape[0], s.trellis.device), mode):
+    if not single_wg_one_split(s.trellis.shape[1], s.trellis.shape[0], s.trellis.device):
         return None
     return make_group([s.trellis], [s.suh], [s.svh], s.codebook)
 
@@ -162,22 +163,22 @@ def layer_weights(shards: list[Exl3Shard]) -> int:
 
 
 def one_launch_shards(shards: list[Exl3Shard], backend: Backend, lm_head: bool = False):
-    """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_ONE_LAUNCH_MAX_M rows (read once, at
-    load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
-    folded in, and as two (x rotated first) up to SGLANG_EXL3_TWO_LAUNCH_MAX_M rows; None where both knobs are 0,
-    they cannot share it, and for the lm_head: each of its ~2,400 blocks re-rotates all of x (one split), which
-    measured 7% slower than three launches at m = 1 (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936);
-    and for layers of more than SGLANG_EXL3_ONE_LAUNCH_MAX_WEIGHTS weights (4194304 by default), where three
-    programmatic launches are faster (benchmarks/results/e2e-pdl-ab-h100-80gb-hbm3.md)."""
-    max_m, two_max_m = int(knobs.get("ONE_LAUNCH_MAX_M")), int(knobs.get("TWO_LAUNCH_MAX_M"))
-    if backend != Backend.CUDA or lm_head or max(max_m, two_max_m) == 0 or not _share_launches(shards):
+    """The layer's one-launch form on our CUDA kernels, for up to SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_M rows (read once,
+    at load: the environment costs ~2 us per read): its sources, or its one source, as one launch with the rotations
+    folded in; None where the knob is 0, they cannot share it, and for the lm_head: each of its ~2,400 blocks
+    re-rotates all of x (one split), which measured 7% slower than three launches at m = 1
+    (benchmarks/results/kernels-one-launch-h200.md, 4096 x 151936); and for layers of more than
+    SGLANG_EXL3_DEV_ONE_LAUNCH_MAX_WEIGHTS weights (4194304 by default), where three programmatic launches are faster
+    (benchmarks/results/e2e-pdl-ab-h100-80gb-hbm3.md)."""
+    max_m = knobs.get("DEV_ONE_LAUNCH_MAX_M")
+    if backend != Backend.CUDA or lm_head or max_m == 0 or not _share_launches(shards):
         return None
-    if layer_weights(shards) > knobs.get("ONE_LAUNCH_MAX_WEIGHTS"):
+    if layer_weights(shards) > knobs.get("DEV_ONE_LAUNCH_MAX_WEIGHTS"):
         return None
-    from sglang_exl3.kernels.cuda_trellis import make_one_launch
+    from sglang_exl3.kernels.groups import make_one_launch
 
     return make_one_launch([s.trellis for s in shards], [s.suh for s in shards], [s.svh for s in shards],
-                           shards[0].codebook, max_m, two_max_m)
+                           shards[0].codebook, max_m)
 
 
 def run_group(x: torch.Tensor, shards: list[Exl3Shard], group) -> torch.Tensor:
@@ -229,7 +230,7 @@ def attach_shards(layer: torch.nn.Module, shards: list[Exl3Shard], backend: Back
     """What `apply_shards` runs: the layer's shards, their group and one-launch forms, the backend."""
     layer.exl3_shards = shards
     layer.exl3_group = group_shards(shards, backend)
-    layer.exl3_cluster = cluster_shard(shards, backend) if layer.exl3_group is None else None
+    layer.exl3_rotating = rotating_shard(shards, backend) if layer.exl3_group is None else None
     layer.exl3_one_launch = one_launch_shards(shards, backend, lm_head=isinstance(layer, ParallelLMHead))
     layer.exl3_backend = int(backend)
 
@@ -345,20 +346,19 @@ def apply_shards(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     xa = pad_input(x.reshape(-1, width).to(act), layer.exl3_shards[0].in_features, where)
     one = layer.exl3_one_launch
     one_launch = one is not None and one.serves(xa.shape[0])
-    cluster = layer.exl3_cluster is not None and layer.exl3_cluster.cluster_serves(xa.shape[0])
+    rotating = layer.exl3_rotating is not None and layer.exl3_rotating.rotating_serves(xa.shape[0])
     if one_launch:
-        y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook,
-                                      one.rotates_first(xa.shape[0]))
+        y = torch.ops.exl3.one_launch(xa, one.group.table, one.counters, one.group.meta, one.group.codebook)
     elif layer.exl3_group is not None:
         y = run_group(xa, layer.exl3_shards, layer.exl3_group)
-    elif cluster:
-        y = run_group(xa, layer.exl3_shards, layer.exl3_cluster)
+    elif rotating:
+        y = run_group(xa, layer.exl3_shards, layer.exl3_rotating)
     else:
         outs = [run_shard(xa, s, layer.exl3_backend, where) for s in layer.exl3_shards]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if output_check.enabled(layer, xa):
         want = torch.cat([output_check.shard_reference(xa, s) for s in layer.exl3_shards], dim=-1)
-        path = "one-launch" if one_launch else "group" if layer.exl3_group is not None else "cluster" if cluster \
+        path = "one-launch" if one_launch else "group" if layer.exl3_group is not None else "rotating" if rotating \
             else Backend(layer.exl3_backend).name.lower()
         output_check.report(layer, where, path, xa, y, want)
     if bias is not None:

@@ -10,8 +10,7 @@ view: no second copy) and described by an expert bank (GroupSource rows). Two ca
   the fused five-launch forward); pairs routed to another tier (or another EP rank) carry id -1 and weigh 0.
 - rotated slab (from rotated_min_rows(experts, top-k) rows; layers/moe_rotated.py): every expert's W_hat decoded
   into the model's fp16 slab (one launch per tier and role), SGLang's Triton grouped GEMM between per-pair
-  rotations. `dense_forward` (the slab in the original basis + fused_experts, five launches per tier and role) is
-  no longer chosen by the plan: it measured slower than the rotated slab at every m; benchmarks keep it.
+  rotations.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ MIN_SLAB_ROWS = 32  # below this many rows no layer decodes its whole expert set
 # into the slab, SGLang's Triton grouped GEMM between our per-pair rotation launches) instead of expert-sorted tiles.
 # Both costs scale with an expert's size, so the crossover is a number of (token, expert) pairs per expert. H100,
 # Qwen3-30B-A3B layer, 4 bits, both paths in one run (benchmarks/results/moe-h100-80gb-hbm3.md, --both-paths): sorted
-# 998 µs vs rotated 1,065 at 384 rows, 1,299 vs 1,081 at 512: crossing near 414 rows, ~26 pairs per expert. The dense
-# slab (dense_forward: the slab in the original basis, five passes per role, then fused_experts) measured slower than
-# the rotated slab at every m (8.7-9.2 ms flat), so the plan never takes it; benchmarks and GPU tests keep it.
+# 998 µs vs rotated 1,065 at 384 rows, 1,299 vs 1,081 at 512: crossing near 414 rows, ~26 pairs per expert.
 ROTATED_PAIRS_PER_EXPERT = 26
 
 
@@ -44,7 +41,7 @@ def rotated_min_rows(experts: int, topk: int) -> int:
 @dataclass
 class ExpertTier:
     experts: list[int]  # local expert ids, ascending
-    dense: tuple  # per role: (stacked tiles, suh [E_t, K], svh [E_t * N], codebook, ones [K])
+    dense: tuple  # per role: (stacked tiles, suh [E_t, K], svh [E_t * N], codebook)
     banks: tuple  # per role: Exl3ExpertBank
     counters: torch.Tensor | None = None  # the decode forward's arrival counters (zero between calls)
 
@@ -98,8 +95,7 @@ def tier_groups(experts: list[dict[str, Exl3Shard]]) -> list[list[int]] | None:
 
 def stack_experts(experts: list[dict[str, Exl3Shard]]) -> tuple:
     """Per role, one tier's kernel-layout weights moved into one tensor stacked along N (each shard's trellis
-    becomes a view of it), with suh [E, K], svh [E*N] and a ones [K] vector: what `cuda_trellis.dense_experts`
-    decodes in five launches."""
+    becomes a view of it), with suh [E, K] and svh [E*N]: what the rotated slab decodes in one launch per role."""
     out = []
     for role in ROLES:
         shards = [e[role] for e in experts]
@@ -108,14 +104,13 @@ def stack_experts(experts: list[dict[str, Exl3Shard]]) -> tuple:
         for i, s in enumerate(shards):
             s.trellis = stacked[i * nt:(i + 1) * nt]
         suh = torch.stack([s.suh for s in shards])
-        out.append((stacked, suh, torch.cat([s.svh for s in shards]), shards[0].codebook,
-                    torch.ones(suh.shape[1], dtype=torch.float16, device=suh.device)))
+        out.append((stacked, suh, torch.cat([s.svh for s in shards]), shards[0].codebook))
     return tuple(out)
 
 
 def expert_banks(experts: list[dict[str, Exl3Shard]]) -> tuple:
     """(gate, up, down) expert banks of one tier, for routed groups."""
-    from sglang_exl3.kernels.cuda_trellis import make_expert_bank
+    from sglang_exl3.kernels.moe_tables import make_expert_bank
 
     first = experts[0]
     return tuple(make_expert_bank([e[role].trellis for e in experts], [e[role].suh for e in experts],
@@ -161,7 +156,7 @@ def tier_rotations(tiers: list[ExpertTier]) -> tuple[torch.Tensor, ...]:
 def decode_counters_for(experts: list[dict[str, Exl3Shard]]) -> torch.Tensor:
     """Counters for the decode forward of a tier: per-pair sources run below E/2 pairs (sorted_rows), so fewer than
     E pairs (and tokens) ever reach it; sized for 1.5 E, the margin kept should the threshold move up again."""
-    from sglang_exl3.kernels.cuda_trellis import decode_counters
+    from sglang_exl3.kernels.moe_ops import decode_counters
 
     gate = experts[0]["w1"]
     bound = 3 * len(experts) // 2 + 1
@@ -184,7 +179,7 @@ def routed_forward(tiers: ExpertTiers, x: torch.Tensor, topk_weights: torch.Tens
     decode forward): the routed experts only, tier by tier (per pair, or over expert-sorted tiles). The fused
     forwards read fp16 or bf16 x themselves (rounding bf16 to fp16 as a cast would: one launch fewer at decode);
     other dtypes, and the staged forward above MAX_FUSED_TOPK, get fp16."""
-    from sglang_exl3.kernels.cuda_trellis import DECODE_OUT_DTYPES, MAX_FUSED_TOPK
+    from sglang_exl3.kernels.moe_ops import DECODE_OUT_DTYPES, MAX_FUSED_TOPK
 
     topk = topk_ids.shape[1]
     if x.dtype != torch.float16 and (x.dtype != torch.bfloat16 or topk > MAX_FUSED_TOPK):
@@ -218,29 +213,3 @@ def reserve_slab(owner, experts: int, inter: int, hidden: int, device) -> None:
         if key not in slab or slab[key].numel() < numel:
             slab[key] = torch.empty(numel, dtype=torch.float16, device=device)
     owner.exl3_moe_slab = slab
-
-
-def dense_forward(tiers: ExpertTiers, slab: dict, inter: int, hidden: int, x16: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, runner_config) -> torch.Tensor:
-    """fp32 [m, H]: every expert decoded into the slab (tier-ordered), then SGLang's Triton fused_experts."""
-    from dataclasses import replace
-
-    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    from sglang_exl3.kernels.cuda_trellis import dense_experts
-
-    e = sum(len(t.experts) for t in tiers.tiers)
-    w13 = slab["w13"][: e * 2 * inter * hidden].view(e, 2 * inter, hidden)
-    w2 = slab["w2"][: e * hidden * inter].view(e, hidden, inter)
-    at = 0
-    for tier in tiers.tiers:
-        n = len(tier.experts)
-        gate, up, down = tier.dense
-        dense_experts(*gate, out=w13[at:at + n, :inter])
-        dense_experts(*up, out=w13[at:at + n, inter:])
-        dense_experts(*down, out=w2[at:at + n])
-        at += n
-    cfg = replace(runner_config, inplace=False, routed_scaling_factor=None)  # the caller applies the scaling
-    out = fused_experts(x16, w13, w2, StandardTopKOutput(topk_weights, tiers.slab_ids(topk_ids), None), cfg)
-    return out.float()

@@ -5,7 +5,7 @@ W_hat alone. So for many rows the slab holds the W_hat of every expert, decoded 
 and role straight into fused_experts' [E, N, K] layout (a strided view of [K, E*N]: no transpose, no rotation
 pass), gate and up side by side as 2E experts of one GEMM. SGLang's grouped Triton GEMM (`invoke_fused_moe_kernel`,
 the kernel behind fused_experts) runs every (token, expert) pair on its expert's W_hat, and three glue launches of
-ours do the per-pair rotations between the GEMMs (kernels/cuda_trellis.py `slab_*`):
+ours do the per-pair rotations between the GEMMs (kernels/moe_ops.py `slab_*`):
 
   rotate_in  x -> each pair's row rotated by its expert's gate suh and by its up suh  [2P, K]
   gate/up    one grouped GEMM over 2E experts                                        [2P, N]
@@ -31,7 +31,7 @@ GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Glue(NamedTuple):
-    """The per-pair work between the grouped GEMMs (signatures of kernels/cuda_trellis.py's slab_* functions)."""
+    """The per-pair work between the grouped GEMMs (signatures of kernels/moe_ops.py's slab_* functions)."""
     rotate_in: Callable[..., torch.Tensor]  # (x, ids, topk, gate_suh, up_suh) -> fp16 [2P, K]
     mid: Callable[..., torch.Tensor]  # (c [2P, N], ids, gate_svh, up_svh, down_suh, gelu) -> fp16 [P, N]
     tail: Callable[..., torch.Tensor]  # (y [P, H], ids, fp32 weights [P], down_svh, topk) -> fp32 [P / topk, H]
@@ -72,16 +72,15 @@ TORCH_GLUE = Glue(_torch_rotate_in, _torch_mid, _torch_tail)
 
 
 def cuda_glue() -> Glue:
-    from sglang_exl3.kernels import cuda_trellis as ck
-
-    return Glue(ck.slab_rotate_in, ck.slab_mid, ck.slab_tail)
+    from sglang_exl3.kernels import moe_ops
+    return Glue(moe_ops.slab_rotate_in, moe_ops.slab_mid, moe_ops.slab_tail)
 
 
 def decode_rotated(tiers, slab: dict, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every expert's W_hat into the slab, tier by tier: gate and up as one [2E, N, K] view (gate experts, then up
     experts), down as [E, H, N]; one reconstruct launch per tier and role, writing column blocks of [K, 2E*N] and
     [N, E*H] (fused_experts reads B through its strides)."""
-    from sglang_exl3.kernels.cuda_trellis import reconstruct
+    from sglang_exl3.kernels.dense import reconstruct
 
     e = tiers.num_experts
     gate_up = slab["w13"][: 2 * e * inter * hidden].view(hidden, 2 * e * inter)
@@ -89,7 +88,7 @@ def decode_rotated(tiers, slab: dict, inter: int, hidden: int) -> tuple[torch.Te
     at = 0
     for tier in tiers.tiers:
         n = len(tier.experts)
-        for (stacked, _, _, codebook, _), buf, first, width in zip(
+        for (stacked, _, _, codebook), buf, first, width in zip(
                 tier.dense, (gate_up, gate_up, down), (at, e + at, at), (inter, inter, hidden), strict=True):
             reconstruct(stacked, codebook, out=buf[:, first * width:(first + n) * width])
         at += n

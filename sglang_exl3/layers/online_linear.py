@@ -35,10 +35,10 @@ CODEBOOK = Codebook.MCG
 
 @cache
 def online_cache():
-    from sglang_exl3.runtime.online_cache import OnlineCache, resolve_mode
+    from sglang_exl3.runtime.online_cache import OnlineCache
 
     root = knobs.get("ONLINE_CACHE_DIR") or Path.home() / ".cache" / "sglang_exl3" / "online"
-    return OnlineCache(root, resolve_mode(knobs.get("ONLINE_CACHE")))
+    return OnlineCache(root, knobs.get("ONLINE_CACHE"))  # readwrite, readonly or off: other spellings are refused
 
 
 def weight_digest(w: torch.Tensor) -> str:

@@ -40,7 +40,7 @@ def _w_hat(shard: Exl3Shard) -> torch.Tensor:
     cached = getattr(shard, "check_w_hat", None)
     if cached is None:
         if shard.kernel_layout:
-            from sglang_exl3.kernels.cuda_trellis import reconstruct as cuda_reconstruct
+            from sglang_exl3.kernels.dense import reconstruct as cuda_reconstruct
 
             cached = cuda_reconstruct(shard.trellis, shard.codebook).float()
         else:

@@ -1,10 +1,10 @@
 """MoE dispatch by rows m: decode plan, prefill plan or the eager parity path (the reference's F12/F14/F15).
 
-Resolved once per model and role (never per batch): the `SGLANG_EXL3_TRELLIS_*` / `_PREFILL_*` knobs and the
-scheduler's token bound give
+Resolved once per model and role (never per batch): the `SGLANG_EXL3_MOE_*` knobs and the scheduler's token
+bound give
 
   decode plan   min_m <= m <= max_m                      (CUDA-graph capturable)
-  prefill plan  max_m < m <= capacity, in slices of prefill_capacity   (when PREFILL_TRELLIS=1)
+  prefill plan  max_m < m <= capacity, in slices of prefill_capacity   (when MOE_PREFILL_PLAN=1)
   parity        everything else up to parity_rows        (eager only: never recorded in a CUDA graph)
 
 Every inconsistency is an error when the plan is built (startup), naming the variable; a batch above the
@@ -41,16 +41,14 @@ def layer_role(name: str, stamped: str | None = None) -> str:
 class MoEPlan:
     min_m: int
     max_m: int
-    block_m: int
-    chunk: int
-    prefill_trellis: bool
-    prefill_block_m: int
+    chunk: int  # parity path rows per chunk
+    prefill_plan: bool
     max_batched: int  # the most rows one forward can carry (scheduler bound)
     prefill_capacity: int  # rows per prefill-plan launch (<= max_batched)
 
     @property
     def prefill_plan_enabled(self) -> bool:
-        return self.prefill_trellis and self.max_batched > self.max_m
+        return self.prefill_plan and self.max_batched > self.max_m
 
     @property
     def parity_rows(self) -> int:
@@ -72,9 +70,9 @@ class MoEPlan:
         if capturing:
             raise RuntimeError(
                 f"EXL3 eager parity path entered during CUDA graph capture (m={m}); capture sizes must lie inside "
-                f"the trellis window [{self.min_m}, {self.max_m}] or the prefill plan. Layer '{layer}' was "
-                f"classified as {role}. Set SGLANG_EXL3_TRELLIS_MIN_M (now {self.min_m}) to 1 or unset it, "
-                f"raise SGLANG_EXL3_TRELLIS_MAX_M (now {self.max_m}), or keep SGLANG_EXL3_PREFILL_TRELLIS=1")
+                f"the decode plan [{self.min_m}, {self.max_m}] or the prefill plan. Layer '{layer}' was "
+                f"classified as {role}. Set SGLANG_EXL3_MOE_DECODE_MIN_M (now {self.min_m}) to 1 or unset it, "
+                f"raise SGLANG_EXL3_MOE_DECODE_MAX_M (now {self.max_m}), or keep SGLANG_EXL3_MOE_PREFILL_PLAN=1")
         if m > self.parity_rows:
             raise ValueError(f"EXL3 MoE {layer}: {m} rows exceed the parity path's {self.parity_rows} staged rows")
         return [(PARITY, s, min(s + self.chunk, m)) for s in range(0, m, self.chunk)]
@@ -87,21 +85,21 @@ def build_moe_plan(max_batched: int | None, prefill_capacity: int | None = None,
         raise MoEPlanError(f"EXL3 MoE plans need the scheduler's largest batch in tokens (got {max_batched!r}); "
                            "it is never defaulted")
     values = {name: knobs.get(name, environ) for name in (
-        "TRELLIS_MIN_M", "TRELLIS_MAX_M", "TRELLIS_BLOCK_M", "PREFILL_CHUNK", "PREFILL_TRELLIS", "PREFILL_BLOCK_M")}
+        "MOE_DECODE_MIN_M", "MOE_DECODE_MAX_M", "MOE_PARITY_CHUNK", "MOE_PREFILL_PLAN")}
     capacity = max_batched if prefill_capacity is None else prefill_capacity
     if capacity <= 0 or capacity > max_batched:
         raise MoEPlanError(f"EXL3 MoE prefill capacity {capacity} must lie in [1, {max_batched}] (the scheduler's "
                            "largest batch)")
-    plan = MoEPlan(min_m=values["TRELLIS_MIN_M"], max_m=values["TRELLIS_MAX_M"], block_m=values["TRELLIS_BLOCK_M"],
-                   chunk=values["PREFILL_CHUNK"], prefill_trellis=values["PREFILL_TRELLIS"],
-                   prefill_block_m=values["PREFILL_BLOCK_M"], max_batched=max_batched, prefill_capacity=capacity)
+    plan = MoEPlan(min_m=values["MOE_DECODE_MIN_M"], max_m=values["MOE_DECODE_MAX_M"],
+                   chunk=values["MOE_PARITY_CHUNK"], prefill_plan=values["MOE_PREFILL_PLAN"], max_batched=max_batched,
+                   prefill_capacity=capacity)
     if plan.min_m > plan.max_m:
-        raise MoEPlanError(f"SGLANG_EXL3_TRELLIS_MIN_M ({plan.min_m}) cannot exceed SGLANG_EXL3_TRELLIS_MAX_M "
+        raise MoEPlanError(f"SGLANG_EXL3_MOE_DECODE_MIN_M ({plan.min_m}) cannot exceed SGLANG_EXL3_MOE_DECODE_MAX_M "
                            f"({plan.max_m})")
     window = min(max_batched, plan.min_m - 1)  # rows below the decode plan always take the parity path
     if window > plan.parity_rows:
-        raise MoEPlanError(f"SGLANG_EXL3_PREFILL_CHUNK ({plan.chunk}) cannot cover the EXL3 parity window "
-                           f"(m < SGLANG_EXL3_TRELLIS_MIN_M = {plan.min_m}, up to {window} rows)")
+        raise MoEPlanError(f"SGLANG_EXL3_MOE_PARITY_CHUNK ({plan.chunk}) cannot cover the EXL3 parity window "
+                           f"(m < SGLANG_EXL3_MOE_DECODE_MIN_M = {plan.min_m}, up to {window} rows)")
     return plan
 
 

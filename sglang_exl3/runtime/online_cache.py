@@ -38,7 +38,6 @@ import torch
 logger = logging.getLogger(__name__)
 SCHEMA = 1
 MODES = ("off", "readonly", "readwrite")
-ALIASES = {"none": "off", "read-only": "readonly", "ro": "readonly", "rw": "readwrite", "read-write": "readwrite"}
 KEY_FIELDS = ("schema", "model_identity", "encoder_identity", "module", "bits", "codebook", "seed", "tp_world_size",
               "tp_rank", "input_size", "output_size", "source_dtype")
 METADATA_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "quantization_config.json")
@@ -56,11 +55,10 @@ class NonFiniteEncoding(RuntimeError):
 
 
 def resolve_mode(text: str | None) -> str:
+    """The cache mode, one spelling per value (unset: readwrite), as SGLANG_EXL3_ONLINE_CACHE takes it."""
     mode = (text or "readwrite").strip().lower()
-    mode = ALIASES.get(mode, mode)
     if mode not in MODES:
-        raise OnlineCacheError(f"online cache mode {text!r} is not one of {', '.join(MODES)} "
-                               f"(aliases: {', '.join(sorted(ALIASES))})")
+        raise OnlineCacheError(f"online cache mode {text!r} is not one of {', '.join(MODES)}")
     return mode
 
 

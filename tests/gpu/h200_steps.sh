@@ -2,11 +2,11 @@
 # The GPU steps (docs/gpu.md), run on the warm machine; several steps may share one `run` call:
 #   bash tests/gpu/h200_steps.sh STEP [STEP ...]
 # kernels   carry .kbuild [.devbundle/a1] kernel tests (torch only); unpacks bundle part a1 when carried
-# oneab     carry .kbuild                 benchmarks/one_launch_ab.py, torch only ($ONEAB_ARGS); then
-#                                         benchmarks/ring_ab.py when $RING_ARGS is set
-# rotab     carry .kbuild                 benchmarks/rotation_ab.py, torch only ($ROTAB_ARGS): the rotation launches' two
+# oneab     carry .kbuild                 experiments/one_launch_ab.py, torch only ($ONEAB_ARGS); then
+#                                         experiments/ring_ab.py when $RING_ARGS is set
+# rotab     carry .kbuild                 experiments/rotation_ab.py, torch only ($ROTAB_ARGS): the rotation launches' two
 #                                         forms, alone and inside the whole linear, beside bf16
-# wgab      carry .kbuild                 benchmarks/wgmma_ab.py, torch only ($WGAB_ARGS): the x ring on wgmma against the
+# wgab      carry .kbuild                 experiments/wgmma_ab.py, torch only ($WGAB_ARGS): the x ring on wgmma against the
 #                                         mma.sync ring, today's dispatch and bf16, single linears and groups
 # site1     carry .devbundle/a1           unpack bundle part a1 (the tree + a1 + .kbuild exceed one call's 64 MiB)
 # site2     carry .devbundle/a2           unpack bundle part a2
@@ -18,7 +18,11 @@
 # moebench  [carry .marlin]               benchmarks/moe.py --bits $MOE_BITS with exllamav3's column
 #                                         (MOEBENCH_ARGS=--marlin adds SGLang's Marlin int4 MoE, prebuilt in .marlin)
 # kernbench carry .marlin                 benchmarks/kernels.py --marlin on $KERNBENCH_SHAPES (default 2: 4096x14336),
-#                                         then benchmarks/ring_ab.py when $RING_ARGS is set (may be empty)
+#                                         then experiments/ring_ab.py when $RING_ARGS is set (may be empty)
+# kold      carry .kold                 install the build a kernel refactor is checked against (scripts/old_build.sh)
+# bitid-old / bitid-new                  tests/gpu/bit_identity.py: dense and MoE outputs of the old and this build on
+#                                         the same inputs (record each, then compare: bit for bit)
+# parity-dense / parity-moe1              serving parity of the exllamav3-made dense Llama / Qwen3-MoE alone
 # parity-moe / parity-rs / parity-r7 / parity-hybrid / parity-pw / parity-moe-pw   serving parity (PARITY_BACKEND: our
 #                                         kernels by default): exllamav3-made Qwen3-MoE and Mixtral; a rank-sliced
 #                                         fixture; an R7 fixture; GLM-4.5 / DeepSeek-V3 hybrids (shared experts); a dense
@@ -37,7 +41,7 @@
 # spec-convert                            exllamav3's converter: target and small draft to 4 bpw; the target's bf16 twin
 # spec-bench                              benchmarks/spec_decode.py on /tmp/specmodels ($SPEC_BENCH_ARGS, e.g. --only ...)
 # e2e                                     benchmarks/e2e.py, Llama-3-8B shape, EXL3 $E2E_BITS against its bf16 twin
-#                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_FUSED_MAX_M=32)
+#                                         ($E2E_ARGS: more flags, e.g. --variant SGLANG_EXL3_DEV_FUSED_MAX_M=32)
 # load                                    benchmarks/load.py: dense and MoE servers under sglang.benchmark.serving at
 #                                         concurrency 64 with aborted streams and over-context prompts ($LOAD_ARGS)
 # encode                                  benchmarks/encode.py: encoder speed; online vs exllamav3's calibrated 4 bpw on
@@ -101,22 +105,22 @@ run_step() {
     PYTHONPATH=$PWD timeout "${KERNELS_TIMEOUT:-400}" python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_trellis.py \
       tests/gpu/test_codec_cuda.py tests/gpu/test_encode_cuda.py -s 2>&1 | tee "$work/pytest.txt" | tail -20
     ;;
-  oneab)  # benchmarks/one_launch_ab.py: the one-launch linear at 4 / 8 warps, PDL on / off, against three launches
-    PYTHONPATH=$PWD timeout "${ONEAB_TIMEOUT:-400}" python3 benchmarks/one_launch_ab.py ${ONEAB_ARGS:-} 2>&1 |
+  oneab)  # experiments/one_launch_ab.py: the one-launch linear at 4 / 8 warps, PDL on / off, against three launches
+    PYTHONPATH=$PWD timeout "${ONEAB_TIMEOUT:-400}" python3 experiments/one_launch_ab.py ${ONEAB_ARGS:-} 2>&1 |
       tee "$work/oneab.txt" | grep -v "^{" | tail -6
-    if [ -n "${RING_ARGS+x}" ]; then  # benchmarks/ring_ab.py, torch only (e.g. --shapes '' for the groups alone)
-      PYTHONPATH=$PWD timeout "${RING_TIMEOUT:-300}" python3 benchmarks/ring_ab.py ${RING_ARGS} 2>&1 |
+    if [ -n "${RING_ARGS+x}" ]; then  # experiments/ring_ab.py, torch only (e.g. --shapes '' for the groups alone)
+      PYTHONPATH=$PWD timeout "${RING_TIMEOUT:-300}" python3 experiments/ring_ab.py ${RING_ARGS} 2>&1 |
         tee "$work/ring.txt" | grep -v "^{" | tail -6
     fi
     cp benchmarks/results/one-launch-ab* benchmarks/results/ring-ab* "$work/" 2>/dev/null
     ;;
-  rotab)  # benchmarks/rotation_ab.py: one warp against eight threads per 128-block, alone and in the linear
-    PYTHONPATH=$PWD timeout "${ROTAB_TIMEOUT:-300}" python3 benchmarks/rotation_ab.py ${ROTAB_ARGS:-} 2>&1 |
+  rotab)  # experiments/rotation_ab.py: one warp against eight threads per 128-block, alone and in the linear
+    PYTHONPATH=$PWD timeout "${ROTAB_TIMEOUT:-300}" python3 experiments/rotation_ab.py ${ROTAB_ARGS:-} 2>&1 |
       tee "$work/rotab.txt" | grep -v "^{" | tail -6
     cp benchmarks/results/rotation-ab* "$work/" 2>/dev/null
     ;;
-  wgab)  # benchmarks/wgmma_ab.py: the x ring on wgmma against the mma.sync ring, today's dispatch and bf16
-    PYTHONPATH=$PWD timeout "${WGAB_TIMEOUT:-300}" python3 benchmarks/wgmma_ab.py ${WGAB_ARGS:-} 2>&1 |
+  wgab)  # experiments/wgmma_ab.py: the x ring on wgmma against the mma.sync ring, today's dispatch and bf16
+    PYTHONPATH=$PWD timeout "${WGAB_TIMEOUT:-300}" python3 experiments/wgmma_ab.py ${WGAB_ARGS:-} 2>&1 |
       tee "$work/wgab.txt" | grep -v "^{" | tail -6
     cp benchmarks/results/wgmma-ab* "$work/" 2>/dev/null
     ;;
@@ -153,22 +157,49 @@ run_step() {
       2>&1 | tee "$work/moe.txt" | grep -v "^ROW" | tail -14
     cp benchmarks/results/moe-* "$work/" 2>/dev/null
     ;;
-  moeprof)  # benchmarks/moe_profile.py: the MoE layer's kernels one by one, ours and bf16 ($MOEPROF_ARGS)
+  moeprof)  # experiments/moe_profile.py: the MoE layer's kernels one by one, ours and bf16 ($MOEPROF_ARGS)
     site_env
-    timeout "${MOEPROF_TIMEOUT:-300}" python3 benchmarks/moe_profile.py ${MOEPROF_ARGS:-} 2>&1 |
+    timeout "${MOEPROF_TIMEOUT:-300}" python3 experiments/moe_profile.py ${MOEPROF_ARGS:-} 2>&1 |
       tee "$work/moeprof.txt" | grep -v "^|" | tail -12
     cp benchmarks/results/moe-profile-* "$work/" 2>/dev/null
     ;;
   kernbench)  # dense linear anchors: benchmarks/kernels.py with SGLang's GPTQ-Marlin (needs .marlin; $KERNBENCH_SHAPES,
-    # one or two shapes per call), then benchmarks/ring_ab.py ($RING_ARGS); logs and results kept in the step's tgz
+    # one or two shapes per call), then experiments/ring_ab.py ($RING_ARGS); logs and results kept in the step's tgz
     site_env
     timeout "${KERNBENCH_TIMEOUT:-300}" python3 benchmarks/kernels.py --marlin --shapes "${KERNBENCH_SHAPES:-2}" \
       --bits 4 --ms 1,8,16,32,64,128,256 --name kernels-marlin 2>&1 | tee "$work/kernels.txt" | grep -v "^ROW" | tail -14
     if [ -n "${RING_ARGS+x}" ]; then
-      timeout "${RING_TIMEOUT:-300}" python3 benchmarks/ring_ab.py ${RING_ARGS} 2>&1 | tee "$work/ring.txt" |
+      timeout "${RING_TIMEOUT:-300}" python3 experiments/ring_ab.py ${RING_ARGS} 2>&1 | tee "$work/ring.txt" |
         grep -v "^{" | tail -14
     fi
     cp benchmarks/results/kernels-marlin* benchmarks/results/ring-ab* "$work/" 2>/dev/null
+    ;;
+  kold)  # the build a kernel refactor is checked against: its library and package (carry .kold, made by
+    # `scripts/old_build.sh`), installed beside the current one
+    install -d -m 755 /opt/sglang-exl3-old/pkg
+    xz -dc .kold/libexl3_trellis.so.xz >/tmp/libold.so && install -m 644 /tmp/libold.so /opt/sglang-exl3-old/
+    tar -xJf .kold/pkg.tar.xz -C /opt/sglang-exl3-old/pkg && echo "old build installed"
+    ;;
+  bitid-old)  # tests/gpu/bit_identity.py record with the old build (after kold)
+    PYTHONPATH=/opt/sglang-exl3-old/pkg SGLANG_EXL3_KERNEL_LIB=/opt/sglang-exl3-old/libexl3_trellis.so \
+      timeout "${BITID_TIMEOUT:-300}" python3 tests/gpu/bit_identity.py record /tmp/bitid-old.safetensors 2>&1 |
+      tee "$work/record.txt" | tail -3
+    ;;
+  bitid-new)  # the same with this checkout's build, then the comparison with bitid-old's record (same machine)
+    PYTHONPATH=$PWD timeout "${BITID_TIMEOUT:-300}" python3 tests/gpu/bit_identity.py record \
+      /tmp/bitid-new.safetensors 2>&1 | tee "$work/record.txt" | tail -3
+    PYTHONPATH=$PWD python3 tests/gpu/bit_identity.py compare /tmp/bitid-old.safetensors /tmp/bitid-new.safetensors \
+      >"$work/compare.json"
+    echo "compare exit $?"
+    head -c 1500 "$work/compare.json"
+    ;;
+  parity-dense)
+    site_env
+    parity dense --ckpt tiny-llama-mul1-4bpw
+    ;;
+  parity-moe1)  # the exllamav3-made Qwen3-MoE alone (parity-moe: with the Mixtral too)
+    site_env
+    parity moe1 --ckpt tiny-qwen3moe-mul1-4bpw
     ;;
   parity-moe)
     site_env

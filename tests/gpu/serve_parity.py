@@ -34,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.routed_experts import first_routing_difference, moe_shape, routed_experts  # noqa: E402
+from sglang_exl3.integration.routed_experts import first_routing_difference, moe_shape, routed_experts  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "exllamav3"

@@ -1,6 +1,6 @@
 """Speculative decoding on an EXL3 target is lossless: greedy output with each algorithm equals greedy output without
 speculation, token for token, served by SGLang with CUDA graphs on. Also structured output under speculation
-(benchmarks/spec_checks.py: regex and JSON schema through /generate, the frontend DSL and the OpenAI
+(sglang_exl3/integration/spec_checks.py: regex and JSON schema through /generate, the frontend DSL and the OpenAI
 `response_format`) must stay valid.
 
 Per algorithm one server: NGRAM (no draft), EAGLE (a random BF16 draft, `synth/eagle_writer.py`: the target's EXL3
@@ -27,9 +27,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.routed_experts import moe_shape  # noqa: E402
-from benchmarks.spec_checks import SERVER_ARGS, TOL, compare, structured, structured_ok  # noqa: E402
+from sglang_exl3.integration.routed_experts import moe_shape  # noqa: E402
 from sglang_exl3.integration.server import launch, post, stop, wait_ready  # noqa: E402
+from sglang_exl3.integration.spec_checks import SERVER_ARGS, TOL, compare, structured, structured_ok  # noqa: E402
 
 PROMPTS, NEW_TOKENS = 24, 48
 SPEC = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]

@@ -1,5 +1,5 @@
 """The MoE layer's CUDA paths against the reference codec (GPU with SGLang importable): routed groups and the
-dense slab + SGLang's Triton fused_experts, through Exl3MoEMethod's own forwards."""
+rotated slab + SGLang's Triton grouped GEMM, through Exl3MoEMethod's own forwards."""
 
 from __future__ import annotations
 
@@ -22,17 +22,17 @@ HIDDEN, INTER, EXPERTS, TOPK = 256, 256, 6, 2
 
 @pytest.fixture(autouse=True, scope="module")
 def _server_args():
-    """SGLang's fused_experts reads the published server config, as inside a server."""
-    from benchmarks.common import publish_sglang_args
+    """SGLang's Triton MoE kernels read the published server config, as inside a server."""
+    from sglang_cpu import sglang_runtime
 
-    publish_sglang_args()
+    sglang_runtime(device="cuda")
 
 
 def _layer(bits_per_expert=(4,) * EXPERTS, shared_h: bool = False):
     """Random experts as the MoE method holds them; `shared_h`: one hidden-side rotation for every expert (gate/up
     suh, down svh), as a rank-sliced shared_h_v1 checkpoint stores them (each expert still gets its own copy)."""
     from sglang_exl3.kernels.backends import Backend
-    from sglang_exl3.kernels.cuda_trellis import prepare
+    from sglang_exl3.kernels.dense import prepare
     from sglang_exl3.layers.moe_kernels import build_tiers
     from sglang_exl3.layers.shard import Exl3Shard
 
@@ -77,11 +77,12 @@ def _reference(cpu, x, ids, w):
 @pytest.mark.parametrize("m", [3, 300])
 @pytest.mark.parametrize("bits, shared_h", [((4,) * EXPERTS, False), ((3, 4, 3, 5, 4, 3), False),
                                             ((3,) * EXPERTS, True)], ids=["uniform", "mixed", "shared-h-3bit"])
-def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
-    """Few rows: routed groups (tier by tier when bitrates are mixed); many rows: the dense slab (tier-ordered,
-    ids remapped) + fused_experts; the plan's own choice; all against the codec. shared-h-3bit: the data layout of
-    the rank-sliced fixture whose server returned NaN on the H200 (MCG 3 bits, shared hidden-side rotations)."""
-    from sglang_exl3.layers.moe_kernels import dense_forward, routed_forward
+def test_routed_and_capturable_paths_match_the_codec(m, bits, shared_h):
+    """The routed forward (tier by tier when bitrates are mixed) and the plan's own choice (routed at 3 rows, the
+    rotated slab at 300), each against the codec's forward (tests/moe_reference.py codec_moe: every expert through
+    exl3_linear_reference, independent of our kernels). shared-h-3bit: the data layout of the rank-sliced fixture
+    whose server returned NaN on the H200 (MCG 3 bits, shared hidden-side rotations)."""
+    from sglang_exl3.layers.moe_kernels import routed_forward
 
     layer, cpu = _layer(bits, shared_h)
     assert len(layer.exl3_tiers.tiers) == len(set(bits))
@@ -93,9 +94,8 @@ def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
     ref = _reference(cpu, x, ids, w)
     xc, idc, wc = x.cuda(), ids.cuda(), w.cuda()
     routed = routed_forward(layer.exl3_tiers, xc, wc, idc, False)
-    dense = dense_forward(layer.exl3_tiers, layer.exl3_moe_slab, INTER, HIDDEN, xc, wc, idc, method.moe_runner_config)
     chosen = method._capturable(layer, xc, wc, idc)
-    for name, y in (("routed", routed), ("dense", dense), ("capturable", chosen)):
+    for name, y in (("routed", routed), ("capturable", chosen)):
         assert not torch.isnan(y).any(), name
         assert float((y.cpu() - ref).norm() / ref.norm()) < 5e-3, name
 
@@ -104,7 +104,7 @@ def test_routed_and_dense_slab_paths_match_the_codec(m, bits, shared_h):
 def test_rotation_forms_give_the_same_routed_output(m):
     """The routed forward (per-source rotations over routing tables whose unrouted experts are empty sources) with
     each rotation form pinned: the same bits."""
-    from sglang_exl3.kernels import cuda_trellis as ck
+    from sglang_exl3.kernels import dense
     from sglang_exl3.layers.moe_kernels import routed_forward
 
     layer, _ = _layer((4,) * EXPERTS, False)
@@ -112,9 +112,9 @@ def test_rotation_forms_give_the_same_routed_output(m):
     x = torch.randn(m, HIDDEN, generator=gen).half().cuda()
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(m)]).to(torch.int32).cuda()
     w = torch.rand(m, TOPK, generator=gen).cuda()
-    with ck.pinned_had_form("warp"):
+    with dense.pinned_had_form("warp"):
         want = routed_forward(layer.exl3_tiers, x, w, ids, False)
-    with ck.pinned_had_form("octet"):
+    with dense.pinned_had_form("octet"):
         got = routed_forward(layer.exl3_tiers, x, w, ids, False)
     assert not torch.isnan(got).any() and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
@@ -122,7 +122,7 @@ def test_rotation_forms_give_the_same_routed_output(m):
 @pytest.mark.parametrize("x_dtype, ids_dtype, gelu", [(torch.bfloat16, torch.int32, False),
                                                        (torch.float16, torch.int64, True)])
 def test_slab_glue_kernels_match_the_torch_glue(x_dtype, ids_dtype, gelu):
-    """The rotated slab's three glue launches (kernels/cuda_trellis.py slab_*) against the torch glue on fresh random
+    """The rotated slab's three glue launches (kernels/moe_ops.py slab_*) against the torch glue on fresh random
     inputs, unrouted pairs included: the rotations bit for bit, the activation and the fp32 top-k sum within a
     rounding (expf / FMA)."""
     from sglang_exl3.layers.moe_rotated import TORCH_GLUE, cuda_glue
