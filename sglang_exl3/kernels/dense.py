@@ -148,8 +148,8 @@ def gemm_rotated_partial(xh: torch.Tensor, tiles: torch.Tensor, codebook: Codebo
 
 
 def _check_ring(mode: int, n_tiles: int) -> None:
-    modes = [int(r) for r in MMA_RING_MODES + WGMMA_RING_MODES]
-    if mode not in modes or n_tiles % 8:
+    if mode not in MMA_RING_MODES + WGMMA_RING_MODES or n_tiles % 8:
+        modes = [int(r) for r in MMA_RING_MODES + WGMMA_RING_MODES]
         raise ValueError(f"the x-ring GEMM takes a mode in {modes} and N % 128 == 0, got mode {mode} and "
                          f"N={n_tiles * 16}")
 

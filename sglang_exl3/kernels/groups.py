@@ -16,6 +16,8 @@ from sglang_exl3.format.constants import Codebook
 from sglang_exl3.kernels.checks import check_act, check_source, check_tiles, k2_of
 from sglang_exl3.kernels.dispatch import (
     CROSSOVERS,
+    WGMMA_RING_MODES,
+    RingMode,
     default_splits,
     fused_crossover_m,
     launch_pdl,
@@ -67,7 +69,7 @@ class Exl3Group:
     def launch_rows(self, ring: int) -> tuple[torch.Tensor, int, int]:
         """The table rows, work items and partials per row that a launch on `ring` takes: the wgmma ring's own rows
         where the group has them, else the load-time rows."""
-        if ring and _is_wgmma(ring) and self.wg_items:
+        if ring in WGMMA_RING_MODES and self.wg_items:
             return self.table[self.num:], self.wg_items, self.wg_partial_per_row
         return self.table[:self.num], self.total_items, self.partial_per_row
 
@@ -79,7 +81,7 @@ class Exl3Group:
         if m > fused_crossover_m():
             return False
         ring = self.ring_mode(m)
-        if ring and _is_wgmma(ring):
+        if ring in WGMMA_RING_MODES:
             return m <= CROSSOVERS.wg_group_max_m
         return bool(ring) or (m <= CROSSOVERS.global_loads_max_m or self.xs_slice(m) > 0)
 
@@ -98,14 +100,7 @@ class Exl3Group:
         """Whether m rows on `ring` (default ring_mode(m)) run in the rotating form (group_run_rotating): a wgmma
         mode, at most 64 rows, and wgmma rows all at one split."""
         ring = self.ring_mode(m) if ring is None else ring
-        return bool(ring) and _is_wgmma(ring) and m <= CROSSOVERS.fused_max_m and rotating_serves(
-            bool(self.wg_one_split))
-
-
-def _is_wgmma(ring: int) -> bool:
-    from sglang_exl3.kernels.dispatch import RingMode
-
-    return RingMode(ring).wgmma
+        return ring in WGMMA_RING_MODES and m <= CROSSOVERS.fused_max_m and rotating_serves(bool(self.wg_one_split))
 
 
 def make_group(tiles: list[torch.Tensor], suh: list[torch.Tensor], svh: list[torch.Tensor], codebook: Codebook,
@@ -171,8 +166,6 @@ def group_run_rotating(x: torch.Tensor, group: Exl3Group) -> torch.Tensor:
     """[m, total_cols] of x's dtype: the group on the wgmma ring from its wgmma rows in two launches, each block's
     output rotated inside the GEMM's launch (no fp32 partials in global memory); bit-identical to group_run over those
     rows on the wgmma ring. m <= 64, and the group's wgmma rows all at one split (Exl3Group.wg_one_split)."""
-    from sglang_exl3.kernels.dispatch import RingMode
-
     m = x.shape[0]
     if not group.wg_one_split or m > CROSSOVERS.fused_max_m:
         raise ValueError(f"group_run_rotating: needs a group whose wgmma rows are all at one split and at most "
